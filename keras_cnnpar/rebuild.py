@@ -1,0 +1,70 @@
+"""Rebuilding a Keras model for a strategy, and carrying its state across.
+
+A strategy trains a *prepared* copy of the user's model: built again under the
+strategy's scope, with the same weights, the same compile settings (optimizer
+config, loss, metrics) and, when the user's optimizer already took steps, the
+same optimizer state. After training the state goes back the other way. The
+learning rate is never copied, so a strategy's scaled rate stays its own.
+
+Example:
+
+>>> import contextlib, keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> copy = rebuild(model, scope=contextlib.nullcontext(), lr_factor=2.0)
+>>> float(copy.optimizer.learning_rate.numpy()) == 2 * float(model.optimizer.learning_rate.numpy())
+True
+"""
+
+import keras
+
+
+def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None):
+    """Return a compiled copy of ``model`` built inside ``scope``, holding its weights and state.
+
+    Args:
+        model: a built, compiled Keras model.
+        scope: context manager to build under, e.g. ``strategy.scope()``.
+        lr_factor: multiplies the optimizer's learning rate (see ``scale_lr``).
+        steps_per_execution: overrides the compiled value when given.
+    """
+    config = model.get_compile_config()
+    config["optimizer"] = _scaled_optimizer(model.optimizer, lr_factor)
+    if steps_per_execution is not None:
+        config["steps_per_execution"] = steps_per_execution
+    with scope:
+        copy = keras.models.clone_model(model)
+        copy.compile_from_config(config)
+    copy_state(model, copy)
+    return copy
+
+
+def copy_state(source, target):
+    """Copy weights, and optimizer state once ``source``'s optimizer is built, into ``target``."""
+    target.set_weights(source.get_weights())
+    if not source.optimizer.built:
+        return
+    if not target.optimizer.built:
+        target.optimizer.build(target.trainable_variables)
+    source_state, target_state = _optimizer_state(source.optimizer), _optimizer_state(target.optimizer)
+    if len(source_state) != len(target_state):
+        raise ValueError(f"optimizer states differ: {len(source_state)} variables in the source, "
+                         f"{len(target_state)} in the target. Received: source={source.name}, "
+                         f"target={target.name}")
+    for value, variable in zip(source_state, target_state):
+        variable.assign(value)
+
+
+def _optimizer_state(optimizer):
+    return [v for v in optimizer.variables if v.name != "learning_rate"]
+
+
+def _scaled_optimizer(optimizer, factor):
+    config = keras.optimizers.serialize(optimizer)
+    if factor == 1.0:
+        return config
+    learning_rate = config["config"]["learning_rate"]
+    if not isinstance(learning_rate, (int, float)):
+        raise ValueError("scale_lr needs an optimizer with a constant learning rate; pass scale_lr=None "
+                         f"to keep a schedule. Received: learning_rate={learning_rate!r}")
+    config["config"]["learning_rate"] = learning_rate * factor
+    return config

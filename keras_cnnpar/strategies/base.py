@@ -1,0 +1,131 @@
+"""The strategy contract and the registry of string aliases.
+
+Every strategy does three things (design §4):
+
+1. ``prepare(model)``: rebuild the user's model for the strategy, carrying its
+   weights, compile settings and optimizer state.
+2. ``fit(prepared, train, **fit_kwargs)``: train the prepared model; return a ``History``.
+3. ``finalize(prepared, model)``: copy the trained state back into the user's model.
+
+Strings name strategies through a small registry:
+
+>>> resolve("single")
+<Single devices=1>
+>>> resolve("nope")
+Traceback (most recent call last):
+ValueError: unknown strategy 'nope'; valid names are ['mirrored', 'single']. Received: strategy='nope'
+"""
+
+import contextlib
+import inspect
+import math
+
+from keras_cnnpar import rebuild
+
+_REGISTRY = {}
+SCALE_LR = {"linear": lambda n: float(n), "sqrt": math.sqrt, None: lambda n: 1.0}
+
+
+def register(alias):
+    """Class decorator: make ``alias`` a string name for the strategy class."""
+
+    def decorate(cls):
+        cls.alias = alias
+        _REGISTRY[alias] = cls
+        return cls
+
+    return decorate
+
+
+def names():
+    """The registered aliases, sorted."""
+    return sorted(_REGISTRY)
+
+
+def resolve(strategy):
+    """Return a strategy object for an object or an alias (built with its defaults)."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str):
+        return create(strategy)
+    raise TypeError(f"strategy must be a cnnpar strategy object or one of {names()}. "
+                    f"Received: strategy={strategy!r} of type {type(strategy).__name__}")
+
+
+def create(alias, **options):
+    """Build the strategy named ``alias`` from the options it accepts (the CLI's path).
+
+    Options the strategy does not take must be unset (None); ``devices`` may be 1
+    for a one-device strategy.
+    """
+    if alias not in _REGISTRY:
+        raise ValueError(f"unknown strategy {alias!r}; valid names are {names()}. Received: strategy={alias!r}")
+    cls = _REGISTRY[alias]
+    accepted = inspect.signature(cls).parameters
+    rejected = {k: v for k, v in options.items() if k not in accepted and v not in (None, 1)}
+    if rejected:
+        key, value = next(iter(rejected.items()))
+        raise ValueError(f"strategy {alias!r} takes no {key}. Received: {key}={value!r}")
+    return cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
+
+
+def check_scale_lr(scale_lr):
+    """Validate a ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None``."""
+    if scale_lr not in SCALE_LR:
+        raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={scale_lr!r}")
+    return scale_lr
+
+
+class Strategy:
+    """Base class of every strategy: one device, Keras's own ``fit``.
+
+    Subclasses supply ``_tf_strategy()`` (a ``tf.distribute.Strategy`` or None),
+    or override ``prepare``/``fit``/``finalize`` when Keras's ``fit`` cannot
+    run them.
+
+    Args:
+        steps_per_execution: training steps run per call into TensorFlow;
+            Keras then calls batch-level callbacks once per that many steps.
+    """
+
+    alias = "strategy"
+    num_devices = 1
+    num_replicas = 1
+    scale_lr = None
+    #: Only the chief writes logs, checkpoints and exports.
+    is_chief = True
+
+    def __init__(self, *, steps_per_execution=8):
+        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
+                or steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be a positive int. "
+                             f"Received: steps_per_execution={steps_per_execution!r}")
+        self.steps_per_execution = steps_per_execution
+
+    def __repr__(self):
+        return f"<{type(self).__name__} devices={self.num_devices}>"
+
+    def _tf_strategy(self):
+        return None
+
+    def scope(self):
+        """The context under which the prepared model is built."""
+        tf_strategy = self._tf_strategy()
+        return tf_strategy.scope() if tf_strategy is not None else contextlib.nullcontext()
+
+    def lr_factor(self):
+        """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
+        return SCALE_LR[self.scale_lr](self.num_replicas)
+
+    def prepare(self, model):
+        """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
+        return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
+                               steps_per_execution=self.steps_per_execution)
+
+    def fit(self, prepared, train, **fit_kwargs):
+        """Train ``prepared`` on the batched dataset ``train``; return Keras's ``History``."""
+        return prepared.fit(train, shuffle=False, **fit_kwargs)
+
+    def finalize(self, prepared, model):
+        """Copy the trained weights and optimizer state back into the user's ``model``."""
+        rebuild.copy_state(prepared, model)

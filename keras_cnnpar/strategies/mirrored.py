@@ -1,0 +1,70 @@
+"""Sync data parallel on one host: ``tf.distribute.MirroredStrategy``."""
+
+import tensorflow as tf
+
+from keras_cnnpar import devices as device_lib
+from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+
+
+@register("mirrored")
+class DataParallel(Strategy):
+    """Sync data parallel over the devices of one host, on ``MirroredStrategy``.
+
+    Every device holds a full replica of the model. Each step splits the global
+    ``batch_size`` evenly across the replicas (``batch_size / devices`` each; a
+    last, short batch is split as evenly as it goes), the gradients are summed
+    across replicas, and every replica applies the same update. With fewer
+    accelerators than ``devices``, the CPU (or the GPU) is split into logical
+    devices; that must happen before TensorFlow starts, so call
+    ``cnnpar.devices.configure(N)`` first.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.devices.configure(2)
+    ['/device:CPU:0', '/device:CPU:1']
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
+    ...                     strategy=cnnpar.DataParallel(devices=2), results_dir=None)
+
+    Args:
+        devices: number of replicas, or a list of device names such as
+            ``["/gpu:0", "/gpu:1"]``. Default: every GPU, or 2 logical CPUs.
+        scale_lr: ``"linear"`` multiplies the learning rate by the number of
+            replicas, ``"sqrt"`` by its square root, ``None`` (default) keeps it.
+            The global batch is the same as under ``Single``, so no scaling keeps
+            the two comparable; scale when you grow the global batch with the
+            replicas.
+
+    Keras 3 fails under ``MirroredStrategy`` with ``steps_per_execution > 1``
+    ("You must feed a value for placeholder tensor", keras-team/keras#19246), so
+    this strategy runs one step per call.
+    """
+
+    def __init__(self, devices=None, *, scale_lr=None):
+        super().__init__(steps_per_execution=1)
+        if devices is None:
+            devices = len(tf.config.list_physical_devices("GPU")) or 2
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1:
+            raise ValueError(f"devices must be at least 1. Received: devices={devices}")
+        if not isinstance(devices, (int, list, tuple)) or isinstance(devices, bool):
+            raise TypeError(f"devices must be an int or a list of device names. Received: devices={devices!r}")
+        self.devices = devices if isinstance(devices, int) else list(devices)
+        self.scale_lr = check_scale_lr(scale_lr)
+        self._mirrored = None
+
+    @property
+    def num_devices(self):
+        return self.devices if isinstance(self.devices, int) else len(self.devices)
+
+    num_replicas = num_devices
+
+    def __repr__(self):
+        shown = self.devices if isinstance(self.devices, int) else ",".join(self.devices)
+        return f"<DataParallel devices={shown} scale_lr={self.scale_lr}>"
+
+    def _tf_strategy(self):
+        if self._mirrored is None:
+            self._mirrored = tf.distribute.MirroredStrategy(devices=device_lib.resolve(self.devices))
+        return self._mirrored

@@ -1,0 +1,107 @@
+"""``cnnpar.fit``: resolve the strategy, prepare, fit, finalize, and log the run.
+
+Example:
+
+>>> import keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> digits = cnnpar.data.load()
+>>> history = cnnpar.fit(model, digits.x[:256], digits.y[:256], batch_size=64,
+...                      strategy="single", results_dir=None)
+>>> sorted(history.history)
+['accuracy', 'loss']
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_cnnpar import callbacks as callback_lib
+from keras_cnnpar import data as data_lib
+from keras_cnnpar import strategies
+
+
+def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
+        validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0,
+        **fit_kwargs):
+    """Train ``model`` under ``strategy`` and return a Keras ``History``, as ``model.fit`` does.
+
+    The model is rebuilt for the strategy (weights, optimizer config and state,
+    loss and metrics carried over), trained, and its trained weights and
+    optimizer state are copied back, so ``predict``, ``evaluate``, ``save`` and
+    ``export`` on ``model`` then work with no strategy involved.
+
+    Numpy inputs go through a cached, shuffled, prefetched ``tf.data`` pipeline.
+    ``validation_split`` takes the last fraction of ``x`` before shuffling, as
+    Keras does. A ``tf.data.Dataset`` is used as given (already batched).
+
+    Args:
+        model: a compiled Keras model.
+        x, y: images and integer labels (numpy arrays), or a batched dataset as ``x``.
+        strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``.
+        results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
+        batch_size: the **global** batch (default 32); each strategy says how it splits it.
+        epochs, validation_data, validation_split, shuffle, callbacks, initial_epoch,
+        **fit_kwargs: as in ``keras.Model.fit``.
+    """
+    strategy = strategies.resolve(strategy)
+    _check_model(model)
+    batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
+    train, validation, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle)
+    if not model.built:
+        model.build(train.element_spec[0].shape)
+    callbacks = list(callbacks or [])
+    logger = None
+    if results_dir is not None and strategy.is_chief:
+        info = callback_lib.RunInfo(
+            model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
+            global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch)
+        logger = callback_lib.RunLogger(info, results_dir)
+        callbacks.append(logger)
+    prepared = strategy.prepare(model)
+    try:
+        history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,
+                               callbacks=callbacks, initial_epoch=initial_epoch, **fit_kwargs)
+    except BaseException as error:
+        if logger is not None:
+            logger.on_failure(error)
+        raise
+    strategy.finalize(prepared, model)
+    history.set_model(model)
+    model.history = history
+    return history
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"fit() takes a keras.Model. Received: model={type(model).__name__}")
+    if not model.compiled:
+        raise ValueError(f"model {model.name!r} is not compiled; call model.compile(optimizer=..., loss=...) "
+                         f"before fit. Received: model.compiled=False")
+
+
+def _inputs(x, y, batch_size, validation_data, validation_split, shuffle):
+    """Return ``(train dataset, validation dataset or None, training samples per epoch or None)``."""
+    if isinstance(x, tf.data.Dataset):
+        if batch_size is not None or y is not None or validation_split:
+            raise ValueError("with a tf.data.Dataset as x, batch it yourself and give no y, batch_size or "
+                             f"validation_split. Received: batch_size={batch_size}, y={type(y).__name__}, "
+                             f"validation_split={validation_split}")
+        return x, _validation(validation_data, None), None
+    x, y = np.asarray(x), np.asarray(y)
+    if len(x) != len(y):
+        raise ValueError(f"x and y must hold the same number of examples. Received: len(x)={len(x)}, len(y)={len(y)}")
+    if validation_split:
+        if validation_data is not None:
+            raise ValueError("give validation_data or validation_split, not both. "
+                             f"Received: validation_split={validation_split}")
+        cut = int(len(x) * (1.0 - validation_split))
+        x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
+    train = data_lib.pipeline(x, y, batch_size, shuffle=bool(shuffle))
+    return train, _validation(validation_data, batch_size), len(x)
+
+
+def _validation(validation_data, batch_size):
+    if validation_data is None or isinstance(validation_data, tf.data.Dataset):
+        return validation_data
+    val_x, val_y = validation_data[:2]
+    return data_lib.pipeline(np.asarray(val_x), np.asarray(val_y), batch_size or 32, shuffle=False)
