@@ -93,11 +93,13 @@ def _load_tfds(name, data_dir):
     try:
         builder = tfds.builder(name, data_dir=data_dir)
         builder.download_and_prepare()
-        images, labels = tfds.as_numpy(builder.as_dataset(split="train", as_supervised=True, batch_size=-1))
+        batches = list(tfds.as_numpy(builder.as_dataset(split="train", as_supervised=True).batch(4096)))
+        images = np.concatenate([b[0] for b in batches]) if batches else np.zeros((0,))
+        labels = np.concatenate([b[1] for b in batches]) if batches else np.zeros((0,))
         num_classes = builder.info.features["label"].num_classes
     except Exception as error:  # tfds raises many types; all mean "cannot use this source"
         raise DataError(f"tfds:{name}: could not load the 'train' split of an image-classification "
-                        f"dataset ({type(error).__name__}: {error}). Received: data=tfds:{name}, "
+                        f"dataset ({type(error).__name__}: {str(error).splitlines()[0]}). Received: data=tfds:{name}, "
                         f"data_dir={data_dir}") from error
     if images.ndim != 4 or len(images) == 0:
         raise DataError(f"tfds:{name}: expected a non-empty batch of images [N, H, W, C]. "
@@ -122,12 +124,13 @@ def read_kaggle_csv(path, *, labeled=True):
         raise DataError(f"{path}: file not found. Received: path={path}")
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     header = TRAIN_HEADER if labeled else PIXEL_HEADER
-    expected = f"{len(header)} comma-separated values ({header[0]},pixel0..pixel783)"
+    columns = "label,pixel0..pixel783" if labeled else "pixel0..pixel783"
+    expected = f"{len(header)} comma-separated values ({columns})"
     if not lines or not lines[0].strip():
         raise DataError(f"{path}: the file is empty; expected a header line and rows of {expected}. "
                         f"Received: 0 lines")
     if [name.strip() for name in lines[0].split(",")] != header:
-        raise DataError(f"{path}, line 1: expected the header {header[0]},pixel0,...,pixel783. "
+        raise DataError(f"{path}, line 1: expected the header {columns}. "
                         f"Received: {_abbreviate(lines[0])!r}")
     rows = [line.split(",") for line in lines[1:]]
     while rows and rows[-1] == [""]:

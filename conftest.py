@@ -1,0 +1,13 @@
+"""Test-wide set-up that must run before TensorFlow starts its runtime.
+
+Two logical CPU devices exist for every test and doctest, so multi-device
+strategies run on a CPU-only machine. Single-device code uses the first one.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from keras_cnnpar import devices  # noqa: E402
+
+devices.configure(2, kind="CPU")

@@ -1,0 +1,138 @@
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from keras_cnnpar import data
+
+HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
+
+
+def row(label="3", pixel="0", at=None, value=None, count=784):
+    pixels = [pixel] * count
+    if at is not None:
+        pixels[at] = value
+    return ",".join([label, *pixels])
+
+
+def test_embedded_default_is_5000_real_digits_scaled_to_unit_range(digits):
+    assert digits.x.shape == (5000, 28, 28, 1) and digits.x.dtype == np.float32
+    assert (digits.x.min(), digits.x.max()) == (0.0, 1.0)
+    assert np.bincount(digits.y).tolist() == [500] * 10
+
+
+def test_split_is_stratified_disjoint_and_seeded(digits):
+    train, val = data.split(digits, validation_fraction=0.2, seed=7)
+    assert (len(train), len(val)) == (4000, 1000)
+    assert np.bincount(val.y, minlength=10).tolist() == [100] * 10
+    again, _ = data.split(digits, validation_fraction=0.2, seed=7)
+    other, _ = data.split(digits, validation_fraction=0.2, seed=8)
+    np.testing.assert_array_equal(train.x, again.x)
+    assert not np.array_equal(train.y, other.y)
+    assert not np.array_equal(train.y[:100], np.sort(train.y[:100]))  # shuffled, not class-ordered
+    both = np.concatenate([train.x, val.x]).reshape(5000, -1)
+    assert len(np.unique(both, axis=0)) == len(np.unique(digits.x.reshape(5000, -1), axis=0))
+
+
+def test_split_rejects_a_fraction_outside_zero_one(digits):
+    with pytest.raises(ValueError, match=r"^validation_fraction must be in \[0, 1\). Received: validation_fraction=1.0$"):
+        data.split(digits, validation_fraction=1.0)
+
+
+def test_pipeline_batches_all_examples(digits):
+    dataset = data.pipeline(digits.x[:130], digits.y[:130], 64)
+    assert [len(y) for _, y in dataset] == [64, 64, 2]
+    assert sorted(np.concatenate([y for _, y in dataset.as_numpy_iterator()])) == sorted(digits.y[:130])
+
+
+def test_kaggle_files_round_trip_through_the_csv_loader(tmp_path, digits):
+    train_path, test_path = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
+    loaded = data.load(str(tmp_path))  # a folder holding train.csv
+    assert loaded.source == str(train_path)
+    assert len(loaded) == 4000 and np.bincount(loaded.y).tolist() == [400] * 10
+    expected, _ = data.split(digits, validation_fraction=0.2, seed=0)
+    np.testing.assert_allclose(loaded.x, expected.x, atol=1 / 255 / 2)
+    pixels, labels = data.read_kaggle_csv(test_path, labeled=False)
+    assert pixels.shape == (1000, 784) and labels is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.csv", "train.csv"]
+
+
+BAD_TRAIN_FILES = {
+    "wrong column count": (
+        [HEADER, row(), row(count=783)],
+        "{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). Received: 784 values"),
+    "non-numeric value": (
+        [HEADER, row(at=12, value="abc")],
+        "{path}, line 2, column pixel12: expected a number. Received: 'abc'"),
+    "NaN": (
+        [HEADER, row(), row(), row(at=5, value="nan")],
+        "{path}, line 4, column pixel5: expected a finite number. Received: nan"),
+    "infinity": (
+        [HEADER, row(at=0, value="inf")],
+        "{path}, line 2, column pixel0: expected a finite number. Received: inf"),
+    "pixel above 255": (
+        [HEADER, row(at=783, value="256")],
+        "{path}, line 2, column pixel783: expected a pixel value in 0..255. Received: 256"),
+    "negative pixel": (
+        [HEADER, row(), row(at=1, value="-1")],
+        "{path}, line 3, column pixel1: expected a pixel value in 0..255. Received: -1"),
+    "label above 9": (
+        [HEADER, row(label="10")],
+        "{path}, line 2, column label: expected an integer label in 0..9. Received: 10"),
+    "fractional label": (
+        [HEADER, row(label="2.5")],
+        "{path}, line 2, column label: expected an integer label in 0..9. Received: 2.5"),
+    "wrong header": (
+        ["id,pixel0", row()],
+        "{path}, line 1: expected the header label,pixel0..pixel783. Received: 'id,pixel0'"),
+    "empty file": (
+        [],
+        "{path}: the file is empty; expected a header line and rows of 785 comma-separated values "
+        "(label,pixel0..pixel783). Received: 0 lines"),
+    "header only": (
+        [HEADER],
+        "{path}: the file has a header but no rows; expected rows of 785 comma-separated values "
+        "(label,pixel0..pixel783). Received: 0 rows"),
+}
+
+
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRAIN_FILES))
+def test_bad_kaggle_csv_names_file_line_and_expectation(tmp_path, case):
+    lines, message = BAD_TRAIN_FILES[case]
+    path = write_lines(tmp_path / "train.csv", lines)
+    with pytest.raises(data.DataError) as raised:
+        data.load(str(path))
+    assert str(raised.value) == message.format(path=path)
+
+
+def test_missing_file_is_named(tmp_path):
+    path = tmp_path / "nothing.csv"
+    with pytest.raises(data.DataError, match=f"^{path}: file not found. Received: path={path}$"):
+        data.load(str(path))
+
+
+def test_unlabeled_test_csv_expects_784_pixels(tmp_path):
+    header = ",".join(f"pixel{i}" for i in range(784))
+    path = write_lines(tmp_path / "test.csv", [header, ",".join(["0"] * 785)])
+    with pytest.raises(data.DataError, match=r"line 2: expected 784 comma-separated values \(pixel0..pixel783\). "
+                                             r"Received: 785 values$"):
+        data.read_kaggle_csv(path, labeled=False)
+
+
+def test_tfds_source_loads_through_tensorflow_datasets(tmp_path):
+    with tfds.testing.mock_data(num_examples=40, data_dir=str(tmp_path)):
+        loaded = data.load("tfds:mnist", data_dir=str(tmp_path))
+    assert loaded.x.shape == (40, 28, 28, 1) and loaded.x.dtype == np.float32
+    assert 0.0 <= loaded.x.min() and loaded.x.max() <= 1.0
+    assert loaded.num_classes == 10 and set(loaded.y) <= set(range(10))
+    assert loaded.source == "tfds:mnist"
+
+
+def test_unknown_tfds_dataset_is_a_data_error():
+    with pytest.raises(data.DataError, match=r"^tfds:no_such_dataset: could not load the 'train' split .*"
+                                             r"Received: data=tfds:no_such_dataset, data_dir=None$"):
+        data.load("tfds:no_such_dataset")
