@@ -1,0 +1,142 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import devices, strategies
+from tests.conftest import max_weight_difference
+
+
+def one_step(model, x, y, strategy):
+    return cnnpar.fit(model, x, y, strategy=strategy, batch_size=len(x), epochs=1, shuffle=False,
+                      verbose=0, results_dir=None)
+
+
+def test_aliases_resolve_to_strategy_objects():
+    assert strategies.names() == ["mirrored", "single"]
+    assert repr(strategies.resolve("single")) == "<Single devices=1>"
+    assert repr(strategies.resolve("mirrored")) == "<DataParallel devices=2 scale_lr=None>"
+    strategy = cnnpar.DataParallel(devices=2)
+    assert strategies.resolve(strategy) is strategy
+
+
+def test_unknown_alias_lists_the_valid_names():
+    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['mirrored', 'single'\]. "
+                                         r"Received: strategy='horovod'$"):
+        strategies.resolve("horovod")
+
+
+def test_strategy_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['mirrored', "
+                                        r"'single'\]. Received: strategy=2 of type int$"):
+        strategies.resolve(2)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"devices": 0}, ValueError, "devices must be at least 1. Received: devices=0"),
+    ({"devices": "two"}, TypeError, "devices must be an int or a list of device names. Received: devices='two'"),
+    ({"scale_lr": "cubic"}, ValueError, "scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr='cubic'"),
+])
+def test_data_parallel_validates_its_arguments(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        cnnpar.DataParallel(**kwargs)
+    assert str(raised.value) == message
+
+
+def test_create_rejects_options_a_strategy_does_not_take():
+    with pytest.raises(ValueError, match=r"^strategy 'single' takes no devices. Received: devices=2$"):
+        strategies.create("single", devices=2)
+    assert repr(strategies.create("mirrored", devices=2, scale_lr="sqrt")) == \
+        "<DataParallel devices=2 scale_lr=sqrt>"
+
+
+def test_configure_after_the_runtime_started_says_what_to_do():
+    with pytest.raises(RuntimeError) as raised:
+        devices.configure(4, kind="CPU")
+    assert str(raised.value) == (
+        "4 CPU devices are needed, but TensorFlow's runtime already started with 2: "
+        "['/device:CPU:0', '/device:CPU:1']. Logical devices can only be created before the runtime "
+        "starts: call cnnpar.devices.configure(4) at the top of your program, before building any model "
+        "or tensor (the `cnnpar` CLI does this for you).")
+    assert devices.configure(2, kind="CPU") == ["/device:CPU:0", "/device:CPU:1"]
+
+
+def test_device_names_are_checked():
+    assert devices.resolve(["/cpu:1", "/CPU:0"]) == ["/device:CPU:1", "/device:CPU:0"]
+    with pytest.raises(ValueError, match=r"^unknown device names \['/gpu:3'\]; TensorFlow has "
+                                         r"\['/device:CPU:0', '/device:CPU:1'\]. Received: devices=\['/gpu:3'\]$"):
+        devices.resolve(["/gpu:3"])
+
+
+@pytest.mark.parametrize("strategy", [
+    cnnpar.DataParallel(devices=2),
+    cnnpar.DataParallel(devices=["/cpu:0", "/cpu:1"]),
+], ids=repr)
+def test_one_sgd_step_matches_single_within_1e_5(small_cnn, digits, strategy):
+    x, y = digits.x[::78][:64], digits.y[::78][:64]
+    single, parallel = small_cnn(seed=1), small_cnn(seed=1)
+    assert max_weight_difference(single, parallel) == 0.0
+    one_step(single, x, y, "single")
+    one_step(parallel, x, y, strategy)
+    assert max_weight_difference(single, small_cnn(seed=1)) > 1e-3  # the step moved the weights
+    assert max_weight_difference(single, parallel) < 1e-5
+
+
+class TrainedWeights(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        self.model_trained, self.weights = self.model, self.model.get_weights()
+
+
+def test_trained_weights_and_optimizer_state_land_in_the_users_model(small_cnn, digits, tmp_path):
+    model, trained = small_cnn(), TrainedWeights()
+    history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, epochs=2, verbose=0, callbacks=[trained],
+                        strategy=cnnpar.DataParallel(2), results_dir=None)
+    assert trained.model_trained is not model  # the prepared copy trained ...
+    assert max(np.abs(a - b).max() for a, b in zip(trained.weights, model.get_weights())) == 0.0  # ... and came back
+    assert isinstance(history, keras.callbacks.History) and history.model is model and model.history is history
+    assert int(model.optimizer.iterations.numpy()) == 8
+    model.fit(digits.x[:256], digits.y[:256], batch_size=64, epochs=1, verbose=0, strategy="single",
+              results_dir=None)
+    assert int(model.optimizer.iterations.numpy()) == 12
+    model.export(str(tmp_path / "export"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(loaded.serve(digits.x[:16]).numpy(), model.predict(digits.x[:16], verbose=0), atol=1e-5)
+
+
+class LearningRateSeen(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.value = float(self.model.optimizer.learning_rate.numpy())
+
+
+@pytest.mark.parametrize("scale_lr, factor", [("linear", 2.0), ("sqrt", 2 ** 0.5), (None, 1.0)])
+def test_scale_lr_scales_the_rate_while_training_only(small_cnn, digits, scale_lr, factor):
+    model, seen = small_cnn(learning_rate=0.1), LearningRateSeen()
+    model.fit(digits.x[:64], digits.y[:64], batch_size=64, verbose=0, callbacks=[seen], results_dir=None,
+              strategy=cnnpar.DataParallel(2, scale_lr=scale_lr))
+    assert seen.value == pytest.approx(0.1 * factor)
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.1)
+
+
+def test_scale_lr_refuses_a_schedule(digits):
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
+                  loss="sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match=r"^scale_lr needs an optimizer with a constant learning rate; "
+                                         r"pass scale_lr=None to keep a schedule. Received: learning_rate="):
+        cnnpar.fit(model, digits.x[:64], digits.y[:64], strategy=cnnpar.DataParallel(2, scale_lr="linear"),
+                   results_dir=None)
+
+
+def test_user_callbacks_and_validation_run_every_epoch(small_cnn, digits):
+    seen = []
+    logger = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append((epoch, sorted(logs))))
+    small_cnn().fit(digits.x[:128], digits.y[:128], batch_size=32, epochs=3, validation_split=0.25, verbose=0,
+                    callbacks=[logger], strategy="mirrored", results_dir=None)
+    assert seen == [(e, ["accuracy", "loss", "val_accuracy", "val_loss"]) for e in range(3)]
+
+
+def test_uncompiled_model_is_refused_before_anything_runs(digits):
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    with pytest.raises(ValueError, match=r"^model 'sequential(_\d+)?' is not compiled; call model.compile"):
+        cnnpar.fit(model, digits.x[:8], digits.y[:8], results_dir=None)
