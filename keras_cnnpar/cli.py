@@ -147,3 +147,7 @@ def kaggle(out_dir, test_fraction, seed):
 
     for path in data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed):
         click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

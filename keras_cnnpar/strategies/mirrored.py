@@ -1,5 +1,7 @@
 """Sync data parallel on one host: ``tf.distribute.MirroredStrategy``."""
 
+import functools
+
 import tensorflow as tf
 
 from keras_cnnpar import devices as device_lib
@@ -52,7 +54,6 @@ class DataParallel(Strategy):
             raise TypeError(f"devices must be an int or a list of device names. Received: devices={devices!r}")
         self.devices = devices if isinstance(devices, int) else list(devices)
         self.scale_lr = check_scale_lr(scale_lr)
-        self._mirrored = None
 
     @property
     def num_devices(self):
@@ -65,6 +66,15 @@ class DataParallel(Strategy):
         return f"<DataParallel devices={shown} scale_lr={self.scale_lr}>"
 
     def _tf_strategy(self):
-        if self._mirrored is None:
-            self._mirrored = tf.distribute.MirroredStrategy(devices=device_lib.resolve(self.devices))
-        return self._mirrored
+        return _mirrored_strategy(tuple(device_lib.resolve(self.devices)))
+
+
+@functools.cache
+def _mirrored_strategy(devices):
+    """One ``MirroredStrategy`` per device set and process.
+
+    Two instances over the same devices number their collective ops alike, and
+    TensorFlow then aborts the second model's all-reduce with "Shape mismatch in
+    the collective instance 100"; sharing the instance keeps the numbers apart.
+    """
+    return tf.distribute.MirroredStrategy(devices=list(devices))

@@ -1,0 +1,21 @@
+"""Accuracy floors: 3 epochs on the default data at batch 64, as in the original project."""
+
+import keras
+import pytest
+
+import keras_cnnpar as cnnpar
+
+FLOORS = {"2+2": 0.93, "3+3": 0.92}
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("kind", ["2+2", "3+3"])
+def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, digits_split):
+    train, val = digits_split
+    keras.utils.set_random_seed(0)
+    model = cnnpar.models.cnn(kind)
+    history = model.fit(train.x, train.y, epochs=3, batch_size=64, validation_data=(val.x, val.y),
+                        verbose=0, strategy=strategy, results_dir=None)
+    assert history.history["val_accuracy"][-1] >= FLOORS[kind]
+    _, accuracy = model.evaluate(val.x, val.y, verbose=0)  # the user's model holds the trained weights
+    assert accuracy == pytest.approx(history.history["val_accuracy"][-1], abs=1e-6)

@@ -1,0 +1,88 @@
+import csv
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from keras_cnnpar import cli, data
+from tests.test_data import BAD_TRAIN_FILES, write_lines
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def kaggle_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kaggle")
+    result = run("data", "kaggle", "--out", folder)
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def test_data_kaggle_writes_train_and_unlabeled_test(kaggle_dir):
+    pixels, labels = data.read_kaggle_csv(kaggle_dir / "train.csv")
+    test_pixels, test_labels = data.read_kaggle_csv(kaggle_dir / "test.csv", labeled=False)
+    assert (pixels.shape, test_pixels.shape, test_labels) == ((4000, 784), (1000, 784), None)
+    assert sorted(set(labels)) == list(range(10))
+
+
+def test_train_on_a_csv_writes_the_run_files_and_a_summary(kaggle_dir, tmp_path):
+    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:321])
+    results = tmp_path / "results"
+    result = run("train", "--model", "3+3", "--strategy", "mirrored", "--devices", 2, "--epochs", 2,
+                 "--data", small, "--results", results, "--verbose", 2)
+    assert result.exit_code == 0, result.output
+    assert "Epoch 2/2" in result.output
+    summary = result.output[result.output.index("Run summary"):].splitlines()
+    assert len(summary) <= 12
+    assert f"  data          {small}: 256 train / 64 validation" in summary
+    assert "  strategy      <DataParallel devices=2 scale_lr=None>" in summary
+    epoch_csv = results / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_mirrored_2dev.csv"
+    assert sorted(p.name for p in results.iterdir()) == sorted([epoch_csv.name, "results.log", "runs.csv"])
+    with open(epoch_csv, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [r["epoch"] for r in rows] == ["1", "2"] and rows[0]["global_batch"] == "64"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TRAIN_FILES))
+def test_bad_data_exits_2_and_writes_nothing(tmp_path, case):
+    lines, message = BAD_TRAIN_FILES[case]
+    path = write_lines(tmp_path / "train.csv", lines)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "runs.csv").write_text("earlier run\n")
+    result = run("train", "--data", path, "--results", results)
+    assert result.exit_code == 2
+    assert message.format(path=path) in " ".join(result.output.split())
+    assert [p.name for p in results.iterdir()] == ["runs.csv"]
+    assert (results / "runs.csv").read_text() == "earlier run\n"
+
+
+def test_missing_data_file_exits_2(tmp_path):
+    result = run("train", "--data", tmp_path / "none.csv", "--results", tmp_path / "results")
+    assert result.exit_code == 2 and "none.csv: file not found" in result.output
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "ring"], "unknown strategy 'ring'; valid names are ['mirrored', 'single']"),
+    (["--strategy", "single", "--devices", "2"], "strategy 'single' takes no devices. Received: devices=2"),
+    (["--model", "4+4"], "'4+4' is not one of '2+2', '3+3'"),
+])
+def test_bad_options_exit_2_with_the_reason(tmp_path, args, message):
+    result = run("train", *args, "--results", tmp_path / "results")
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "results").exists()
+
+
+def test_help_lists_every_command_and_option():
+    top = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert top.returncode == 0 and "train" in top.stdout and "data" in top.stdout
+    train_help = run("train", "--help").output
+    for option in ["--model", "--strategy", "--devices", "--epochs", "--batch-size", "--data", "--data-dir",
+                   "--validation-fraction", "--scale-lr", "--results", "--no-log", "--seed", "--verbose"]:
+        assert option in train_help
