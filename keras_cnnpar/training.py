@@ -11,6 +11,8 @@ Example:
 ['accuracy', 'loss']
 """
 
+import math
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -46,7 +48,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     strategy = strategies.resolve(strategy)
     _check_model(model)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
-    train, validation, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle)
+    train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle)
+    fit_kwargs = {**steps, **fit_kwargs}
+    if samples is not None and fit_kwargs["steps_per_epoch"] != steps["steps_per_epoch"]:
+        samples = fit_kwargs["steps_per_epoch"] * batch_size
     if not model.built:
         model.build(train.element_spec[0].shape)
     callbacks = list(callbacks or [])
@@ -80,13 +85,22 @@ def _check_model(model):
 
 
 def _inputs(x, y, batch_size, validation_data, validation_split, shuffle):
-    """Return ``(train dataset, validation dataset or None, training samples per epoch or None)``."""
+    """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
+
+    Numpy data becomes repeated datasets with ``steps_per_epoch`` and
+    ``validation_steps`` of one pass each, so that one input iterator (and its
+    per-device prefetching) serves every epoch; a fresh distributed iterator per
+    epoch costs seconds under ``MirroredStrategy``. Batches never straddle epochs.
+    """
     if isinstance(x, tf.data.Dataset):
         if batch_size is not None or y is not None or validation_split:
             raise ValueError("with a tf.data.Dataset as x, batch it yourself and give no y, batch_size or "
                              f"validation_split. Received: batch_size={batch_size}, y={type(y).__name__}, "
                              f"validation_split={validation_split}")
-        return x, _validation(validation_data, None), None
+        if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
+            raise ValueError("with a tf.data.Dataset as x, give validation_data as a dataset too. "
+                             f"Received: validation_data of type {type(validation_data).__name__}")
+        return x, validation_data, {}, None
     x, y = np.asarray(x), np.asarray(y)
     if len(x) != len(y):
         raise ValueError(f"x and y must hold the same number of examples. Received: len(x)={len(x)}, len(y)={len(y)}")
@@ -96,12 +110,10 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle):
                              f"Received: validation_split={validation_split}")
         cut = int(len(x) * (1.0 - validation_split))
         x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train = data_lib.pipeline(x, y, batch_size, shuffle=bool(shuffle))
-    return train, _validation(validation_data, batch_size), len(x)
-
-
-def _validation(validation_data, batch_size):
+    train = data_lib.pipeline(x, y, batch_size, shuffle=bool(shuffle)).repeat()
+    steps = {"steps_per_epoch": math.ceil(len(x) / batch_size)}
     if validation_data is None or isinstance(validation_data, tf.data.Dataset):
-        return validation_data
-    val_x, val_y = validation_data[:2]
-    return data_lib.pipeline(np.asarray(val_x), np.asarray(val_y), batch_size or 32, shuffle=False)
+        return train, validation_data, steps, len(x)
+    val_x, val_y = (np.asarray(a) for a in validation_data[:2])
+    validation = data_lib.pipeline(val_x, val_y, batch_size, shuffle=False).repeat()
+    return train, validation, {**steps, "validation_steps": math.ceil(len(val_x) / batch_size)}, len(x)
