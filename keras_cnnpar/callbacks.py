@@ -2,11 +2,14 @@
 
 Example:
 
->>> import keras_cnnpar as cnnpar
+>>> import os, tempfile, keras_cnnpar as cnnpar
 >>> model = cnnpar.models.cnn("3+3")
 >>> digits = cnnpar.data.load()
+>>> results = tempfile.mkdtemp()
 >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, strategy="single",
-...                     results_dir="/tmp/cnnpar-results")   # adds a RunLogger
+...                     results_dir=results, verbose=0)   # adds a RunLogger
+>>> sorted(os.listdir(results))
+['cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv', 'results.log', 'runs.csv']
 """
 
 import csv
@@ -60,11 +63,12 @@ class RunLogger(keras.callbacks.Callback):
 
     Example:
 
+    >>> import tempfile, keras_cnnpar as cnnpar
     >>> info = RunInfo("cnn2d_3layer_fullconnected_3layer", "single", 1, 64, 256, epochs=1)
-    >>> model = keras_cnnpar.models.cnn("3+3")
-    >>> digits = keras_cnnpar.data.load()
-    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
-    ...                     callbacks=[RunLogger(info, "/tmp/cnnpar-results")])
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, verbose=0,
+    ...                     callbacks=[RunLogger(info, tempfile.mkdtemp())])
 
     Args:
         info: the run's :class:`RunInfo`.

@@ -8,7 +8,7 @@ Example:
 246682
 >>> digits = cnnpar.data.load()
 >>> history = model.fit(digits.x[:256], digits.y[:256], epochs=1, batch_size=64,
-...                     strategy="single", results_dir=None)
+...                     strategy="single", results_dir=None, verbose=0)
 """
 
 import functools
@@ -90,14 +90,14 @@ def parallel(model):
     trained, and the trained weights are copied back. The model stays an
     ordinary Keras model in every other way.
 
-    >>> import keras
+    >>> import keras, keras_cnnpar as cnnpar
     >>> model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
     ...                           keras.layers.Dense(10, activation="softmax")])
     >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     >>> model = parallel(model)
-    >>> digits = keras_cnnpar.data.load()
+    >>> digits = cnnpar.data.load()
     >>> history = model.fit(digits.x[:128], digits.y[:128], batch_size=64, strategy="single",
-    ...                     results_dir=None)
+    ...                     results_dir=None, verbose=0)
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"parallel() takes a keras.Model. Received: model={type(model).__name__}")

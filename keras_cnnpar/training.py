@@ -6,7 +6,7 @@ Example:
 >>> model = cnnpar.models.cnn("3+3")
 >>> digits = cnnpar.data.load()
 >>> history = cnnpar.fit(model, digits.x[:256], digits.y[:256], batch_size=64,
-...                      strategy="single", results_dir=None)
+...                      strategy="single", results_dir=None, verbose=0)
 >>> sorted(history.history)
 ['accuracy', 'loss']
 """

@@ -28,7 +28,8 @@ class DataParallel(Strategy):
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
     >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
-    ...                     strategy=cnnpar.DataParallel(devices=2), results_dir=None)
+    ...                     strategy=cnnpar.DataParallel(devices=2), results_dir=None,
+    ...                     verbose=0)
 
     Args:
         devices: number of replicas, or a list of device names such as

@@ -17,7 +17,7 @@ class Single(Strategy):
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
     >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
-    ...                     strategy=cnnpar.Single(), results_dir=None)
+    ...                     strategy=cnnpar.Single(), results_dir=None, verbose=0)
 
     Args:
         steps_per_execution: training steps per call into TensorFlow (default 8).
