@@ -48,10 +48,11 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     strategy = strategies.resolve(strategy)
     _check_model(model)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
-    train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle)
-    fit_kwargs = {**steps, **fit_kwargs}
-    if samples is not None and fit_kwargs["steps_per_epoch"] != steps["steps_per_epoch"]:
+    train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
+                                                strategy.steps_per_execution)
+    if samples is not None and fit_kwargs.get("steps_per_epoch"):
         samples = fit_kwargs["steps_per_epoch"] * batch_size
+    fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
     callbacks = list(callbacks or [])
@@ -84,13 +85,11 @@ def _check_model(model):
                          f"before fit. Received: model.compiled=False")
 
 
-def _inputs(x, y, batch_size, validation_data, validation_split, shuffle):
+def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, steps_per_execution):
     """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
 
-    Numpy data becomes repeated datasets with ``steps_per_epoch`` and
-    ``validation_steps`` of one pass each, so that one input iterator (and its
-    per-device prefetching) serves every epoch; a fresh distributed iterator per
-    epoch costs seconds under ``MirroredStrategy``. Batches never straddle epochs.
+    Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
+    the ``steps_per_epoch`` / ``validation_steps`` that go with repeated ones.
     """
     if isinstance(x, tf.data.Dataset):
         if batch_size is not None or y is not None or validation_split:
@@ -110,10 +109,27 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle):
                              f"Received: validation_split={validation_split}")
         cut = int(len(x) * (1.0 - validation_split))
         x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train = data_lib.pipeline(x, y, batch_size, shuffle=bool(shuffle)).repeat()
-    steps = {"steps_per_epoch": math.ceil(len(x) / batch_size)}
-    if validation_data is None or isinstance(validation_data, tf.data.Dataset):
-        return train, validation_data, steps, len(x)
-    val_x, val_y = (np.asarray(a) for a in validation_data[:2])
-    validation = data_lib.pipeline(val_x, val_y, batch_size, shuffle=False).repeat()
-    return train, validation, {**steps, "validation_steps": math.ceil(len(val_x) / batch_size)}, len(x)
+    train, steps = _epoch_dataset(x, y, batch_size, bool(shuffle), steps_per_execution)
+    steps = {"steps_per_epoch": steps}
+    validation = validation_data
+    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
+        val_x, val_y = (np.asarray(a) for a in validation_data[:2])
+        validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size, False,
+                                                               steps_per_execution)
+    return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
+
+
+def _epoch_dataset(x, y, batch_size, shuffle, steps_per_execution):
+    """The input pipeline of ``(x, y)``, repeated with its steps per pass where Keras allows; else ``steps=None``.
+
+    A repeated dataset keeps one input iterator (and its per-device prefetching)
+    for every epoch; a fresh distributed iterator per epoch costs seconds under
+    ``MirroredStrategy``. Batches never straddle passes. Keras runs whole
+    ``steps_per_execution`` chunks on a repeated dataset, so a pass whose steps
+    are not a multiple of it stays finite and Keras stops at its end.
+    """
+    dataset = data_lib.pipeline(x, y, batch_size, shuffle=shuffle)
+    steps = math.ceil(len(x) / batch_size)
+    if steps % steps_per_execution:
+        return dataset, None
+    return dataset.repeat(), steps

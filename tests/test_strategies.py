@@ -140,3 +140,12 @@ def test_uncompiled_model_is_refused_before_anything_runs(digits):
     model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10)])
     with pytest.raises(ValueError, match=r"^model 'sequential(_\d+)?' is not compiled; call model.compile"):
         cnnpar.fit(model, digits.x[:8], digits.y[:8], results_dir=None)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("samples, batch_size", [(130, 64), (128, 16)])  # 3 and 8 steps per epoch
+def test_every_epoch_runs_exactly_one_pass_over_the_data(small_cnn, digits, strategy, samples, batch_size):
+    model = small_cnn()
+    model.fit(digits.x[:samples], digits.y[:samples], batch_size=batch_size, epochs=2, verbose=0,
+              validation_data=(digits.x[:samples], digits.y[:samples]), strategy=strategy, results_dir=None)
+    assert int(model.optimizer.iterations.numpy()) == 2 * -(-samples // batch_size)
