@@ -27,7 +27,7 @@ _EXPORTS = {
     "Single": "keras_cnnpar.strategies",
     "DataParallel": "keras_cnnpar.strategies",
 }
-_SUBMODULES = ("callbacks", "data", "devices", "models", "strategies", "training")
+_SUBMODULES = ("callbacks", "data", "devices", "models", "serving", "strategies", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

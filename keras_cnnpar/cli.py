@@ -56,11 +56,16 @@ def main():
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
 @click.option("--verbose", type=click.IntRange(0, 2), default=1, show_default=True,
               help="Keras progress: 0 silent, 1 progress bar, 2 one line per epoch.")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
+              help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
+@click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
+              help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, epochs, batch_size, source, data_dir, validation_fraction,
-          scale_lr, results_dir, no_log, seed, verbose):
-    """Train a CNN with one strategy and write the run's CSVs and log.
+          scale_lr, results_dir, no_log, seed, verbose, export_dir, export_version):
+    """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
-    Bad data exits with code 2 before anything is written.
+    The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
+    exits with code 2 before anything is written.
     """
     _quiet_tensorflow()
     import time
@@ -89,6 +94,13 @@ def train(model_kind, strategy_name, devices, epochs, batch_size, source, data_d
     history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
                            batch_size=batch_size, validation_data=validation, verbose=verbose,
                            results_dir=None if no_log else results_dir)
+    if not no_log:
+        from keras_cnnpar import serving
+
+        serving.save_weights(model, os.path.join(results_dir, models.run_file_name(
+            model.name, strategy.alias, strategy.num_devices, ".weights.h5")))
+    if export_dir is not None:
+        _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
 
@@ -124,6 +136,67 @@ def _last_run(path):
 
     with open(path, newline="", encoding="utf-8") as file:
         return list(csv.DictReader(file))[-1]
+
+
+def _export(model, base_dir, version, force):
+    from keras_cnnpar import serving
+
+    try:
+        target = serving.export(model, base_dir, version, force=force)
+    except (FileExistsError, serving.ExportError) as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"exported {target} (signature serving_default: pixels [N, 784] -> probabilities, class; "
+               f"verified in a fresh process)")
+
+
+@main.command("export")
+@click.option("--weights", type=click.Path(dir_okay=False), required=True,
+              help="A run's weights, RESULTS/<run>.weights.h5, as `cnnpar train` writes them.")
+@click.option("--model", "model_kind", type=click.Choice(MODELS), default=None,
+              help="The model of the weights; default: read from the file name.")
+@click.option("--out", "base_dir", type=click.Path(file_okay=False), required=True,
+              help="Base folder of the model, e.g. models/digits (TF Serving's --model_base_path).")
+@click.option("--version", type=click.IntRange(min=1), default=None,
+              help="Version folder; default: the next free one, from 1.")
+@click.option("--force", is_flag=True, help="Replace an existing version (after the new one verified).")
+def export_command(weights, model_kind, base_dir, version, force):
+    """Export trained weights as a TF Serving SavedModel, verified before it is put in place.
+
+    Writes OUT/VERSION/saved_model.pb, variables/ and assets.extra/tf_serving_warmup_requests.
+    """
+    _quiet_tensorflow()
+    from keras_cnnpar import serving
+
+    try:
+        model = serving.load_weights(weights, model_kind)
+    except (FileNotFoundError, ValueError) as error:
+        raise click.BadParameter(str(error), param_hint="--weights") from None
+    _export(model, base_dir, version, force)
+
+
+@main.command()
+@click.option("--model-dir", type=click.Path(file_okay=False), required=True,
+              help="An exported version folder, e.g. models/digits/1.")
+@click.option("--test", "test_csv", type=click.Path(dir_okay=False), required=True,
+              help="Kaggle test.csv: pixel0..pixel783, no label.")
+@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Submission CSV to write.")
+def predict(model_dir, test_csv, out):
+    """Write Kaggle ImageId,Label predictions of an export for an unlabeled test.csv.
+
+    Bad input exits with code 2 and writes nothing.
+    """
+    _quiet_tensorflow()
+    from keras_cnnpar import data as data_lib
+    from keras_cnnpar import serving
+
+    if not os.path.isfile(os.path.join(model_dir, "saved_model.pb")):
+        raise click.BadParameter(f"{model_dir}: expected an export holding saved_model.pb. "
+                                 f"Received: model_dir={model_dir}", param_hint="--model-dir")
+    try:
+        rows = serving.predict_csv(model_dir, test_csv, out)
+    except data_lib.DataError as error:
+        raise click.BadParameter(str(error), param_hint="--test") from None
+    click.echo(f"wrote {out} ({rows} predictions)")
 
 
 @main.group()

@@ -12,6 +12,7 @@ Example:
 """
 
 import functools
+from pathlib import Path
 
 import keras
 from keras import layers
@@ -115,10 +116,21 @@ def parallel(model):
     return model
 
 
-def run_file_name(model_name, strategy, devices):
-    """Name of a run configuration's per-epoch CSV, in the original project's convention.
+def run_file_name(model_name, strategy, devices, suffix=".csv"):
+    """Name of a run configuration's file (its per-epoch CSV by default), in the original project's convention.
 
     >>> run_file_name("cnn2d_2layer_fullconnected_2layer", "mirrored", 2)
     'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_mirrored_2dev.csv'
+    >>> run_file_name("cnn2d_2layer_fullconnected_2layer", "single", 1, ".weights.h5")
+    'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.weights.h5'
     """
-    return f"{model_name}_{FRAMEWORK}_{strategy}_{devices}dev.csv"
+    return f"{model_name}_{FRAMEWORK}_{strategy}_{devices}dev{suffix}"
+
+
+def kind_of(file_name):
+    """The model kind (``"2+2"`` or ``"3+3"``) whose run files start like ``file_name``, else None.
+
+    >>> kind_of("cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5")
+    '3+3'
+    """
+    return next((kind for kind, name in MODEL_NAMES.items() if Path(file_name).name.startswith(name + "_")), None)

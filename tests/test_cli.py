@@ -40,7 +40,8 @@ def test_train_on_a_csv_writes_the_run_files_and_a_summary(kaggle_dir, tmp_path)
     assert f"  data          {small}: 256 train / 64 validation" in summary
     assert "  strategy      <DataParallel devices=2 scale_lr=None>" in summary
     epoch_csv = results / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_mirrored_2dev.csv"
-    assert sorted(p.name for p in results.iterdir()) == sorted([epoch_csv.name, "results.log", "runs.csv"])
+    weights = epoch_csv.name.replace(".csv", ".weights.h5")
+    assert sorted(p.name for p in results.iterdir()) == sorted([epoch_csv.name, "results.log", "runs.csv", weights])
     with open(epoch_csv, newline="") as file:
         rows = list(csv.DictReader(file))
     assert [r["epoch"] for r in rows] == ["1", "2"] and rows[0]["global_batch"] == "64"

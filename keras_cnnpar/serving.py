@@ -1,0 +1,225 @@
+"""SavedModel export for TensorFlow Serving, and Kaggle predictions from an export.
+
+An export is TF Serving's layout, ``BASE/VERSION/saved_model.pb`` with its
+``variables/`` and ``assets.extra/tf_serving_warmup_requests``. Its
+``serving_default`` signature takes ``pixels``, float32 ``[N, 784]`` raw 0..255
+values as in the Kaggle CSVs, and returns ``probabilities`` ``[N, 10]`` and
+``class`` ``[N]``; scaling and reshaping happen inside the graph. Every export
+is written to a temporary folder, checked in a fresh Python process that
+imports only TensorFlow, and only then renamed into place.
+
+Example:
+
+>>> import tempfile, keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> digits = cnnpar.data.load()
+>>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, strategy="single",
+...                     results_dir=None, verbose=0)
+>>> base = tempfile.mkdtemp()
+>>> export(model, base).name                      # the first free version
+'1'
+>>> export(model, base).name
+'2'
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_cnnpar import data as data_lib
+
+SIGNATURE = "serving_default"
+INPUT = "pixels"
+TOLERANCE = 1e-5
+VERIFY_TIMEOUT_S = 180
+WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
+
+#: Run in a fresh process: load the export with plain TensorFlow and apply its signature.
+_VERIFY_SCRIPT = """
+import sys
+import keras
+import numpy as np
+import tensorflow as tf
+export_dir, pixels_path, out_path = sys.argv[1:]
+signature = tf.saved_model.load(export_dir).signatures["serving_default"]
+outputs = signature(pixels=tf.constant(np.load(pixels_path)))
+np.savez(out_path, probabilities=outputs["probabilities"].numpy(), classes=outputs["class"].numpy())
+"""
+
+
+class ExportError(RuntimeError):
+    """An export that could not be written or did not verify; nothing was left in its place."""
+
+
+def export(model, base_dir, version=None, *, force=False, verify=True):
+    """Write ``model`` to ``base_dir/version`` for TF Serving; return the version folder.
+
+    Args:
+        model: a Keras model taking ``[N, 28, 28, 1]`` images in [0, 1].
+        base_dir: the model's base path (``--model_base_path`` of TF Serving).
+        version: a positive int; default: the next free version, starting at 1.
+        force: replace an existing version (only once the new one verified).
+        verify: check the export in a fresh process against ``model``'s predictions.
+    """
+    _check_input_shape(model)
+    base_dir = Path(base_dir)
+    version = _next_version(base_dir) if version is None else _check_version(version)
+    target = base_dir / str(version)
+    if target.exists() and not force:
+        raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it, or another "
+                              f"version. Received: version={version}")
+    base_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=base_dir))
+    try:
+        _write(model, staging)
+        if verify:
+            _verify(model, staging)
+        _move_into_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _check_input_shape(model):
+    if tuple(model.input_shape[1:]) != (data_lib.IMAGE_SIDE, data_lib.IMAGE_SIDE, 1):
+        raise ValueError(f"the serving signature takes {data_lib.PIXELS} pixels of a 28x28 grayscale image; the "
+                         f"model must take [N, 28, 28, 1]. Received: input_shape={model.input_shape}")
+
+
+def _check_version(version):
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"version must be a positive int. Received: version={version!r}")
+    return version
+
+
+def _next_version(base_dir):
+    taken = [int(p.name) for p in base_dir.glob("*") if p.is_dir() and p.name.isdigit()] if base_dir.exists() else []
+    return max(taken, default=0) + 1
+
+
+def serving_function(model):
+    """The ``serving_default`` function: raw pixels ``[N, 784]`` -> ``probabilities`` and ``class``."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, data_lib.PIXELS], tf.float32, name=INPUT)])
+    def serve(pixels):
+        images = tf.reshape(pixels / 255.0, [-1, data_lib.IMAGE_SIDE, data_lib.IMAGE_SIDE, 1])
+        probabilities = model(images, training=False)
+        return {"probabilities": probabilities, "class": tf.argmax(probabilities, axis=-1)}
+
+    return serve
+
+
+def _write(model, folder):
+    archive = keras.export.ExportArchive()  # Keras's variable tracking: TF Serving's C++ loader restores them
+    archive.track(model)
+    serve = serving_function(model)
+    archive.add_endpoint(SIGNATURE, serve, input_signature=serve.input_signature)
+    archive.write_out(str(folder), verbose=False)
+    _write_warmup(folder / WARMUP_FILE)
+
+
+def _write_warmup(path):
+    """Write one ``PredictRequest`` on the fixed sample, so a TF Serving server warms up on load."""
+    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+
+    request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(signature_name=SIGNATURE))
+    request.inputs[INPUT].CopyFrom(tf.make_tensor_proto(sample_pixels()[:4]))
+    log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(log.SerializeToString())
+
+
+def sample_pixels():
+    """A fixed batch of 32 raw-pixel rows (float32 ``[32, 784]``), three or four of each digit."""
+    digits = data_lib.load()
+    return np.rint(digits.x[::157][:32].reshape(32, -1) * 255.0).astype(np.float32)
+
+
+def _verify(model, folder):
+    pixels = sample_pixels()
+    expected = model.predict(pixels.reshape(-1, 28, 28, 1) / 255.0, verbose=0)
+    served = load_in_fresh_process(folder, pixels)["probabilities"]
+    difference = float(np.max(np.abs(served - expected)))
+    if difference > TOLERANCE:
+        raise ExportError(f"{folder.parent}: the export's predictions differ from the model's by {difference:.3g} "
+                          f"(tolerance {TOLERANCE}); nothing was written. Received: max_abs_difference={difference}")
+
+
+def load_in_fresh_process(export_dir, pixels):
+    """Apply ``export_dir``'s ``serving_default`` to ``pixels`` in a new Python importing only TensorFlow."""
+    with tempfile.TemporaryDirectory() as scratch:
+        pixels_path, out_path = Path(scratch) / "pixels.npy", Path(scratch) / "out.npz"
+        np.save(pixels_path, np.asarray(pixels, np.float32))
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+        done = subprocess.run([sys.executable, "-c", _VERIFY_SCRIPT, str(export_dir), str(pixels_path),
+                               str(out_path)], capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S, env=env)
+        if done.returncode != 0:
+            raise ExportError(f"{export_dir}: loading the export in a fresh process failed:\n{done.stderr[-2000:]}")
+        with np.load(out_path) as outputs:
+            return {"probabilities": outputs["probabilities"], "class": outputs["classes"]}
+
+
+def _move_into_place(staging, target):
+    if not target.exists():
+        os.replace(staging, target)
+        return
+    retired = target.with_name(f".{target.name}.replaced")
+    shutil.rmtree(retired, ignore_errors=True)
+    os.replace(target, retired)
+    os.replace(staging, target)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def save_weights(model, path):
+    """Save ``model``'s weights to ``path`` (ending in ``.weights.h5``) through a temporary file and a rename."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name[:-len('.weights.h5')]}.partial.weights.h5")
+    model.save_weights(partial)
+    os.replace(partial, path)
+    return path
+
+
+def load_weights(path, kind=None):
+    """Rebuild the CNN of ``kind`` (default: read from the run file's name) holding the weights in ``path``."""
+    from keras_cnnpar import models
+
+    path = Path(path)
+    kind = kind or models.kind_of(path.name)
+    if kind is None:
+        raise ValueError(f"{path}: cannot tell the model from the file name; give the model kind "
+                         f"({sorted(models.MODEL_NAMES)}). Received: model=None")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found. Received: weights={path}")
+    model = models.cnn(kind)
+    model.optimizer.build(model.trainable_variables)  # the file holds the optimizer state too
+    model.load_weights(path)
+    return model
+
+
+def predict_csv(model_dir, test_csv, out, *, batch_size=512):
+    """Write Kaggle ``ImageId,Label`` predictions of the export ``model_dir`` for an unlabeled ``test_csv``.
+
+    ImageId starts at 1. Bad input raises :class:`keras_cnnpar.data.DataError`
+    before anything is written, and the CSV is written atomically. Returns the
+    number of rows.
+    """
+    pixels, _ = data_lib.read_kaggle_csv(test_csv, labeled=False)
+    signature = tf.saved_model.load(str(model_dir)).signatures[SIGNATURE]
+    classes = np.concatenate([
+        signature(**{INPUT: tf.constant(pixels[i:i + batch_size], tf.float32)})["class"].numpy()
+        for i in range(0, len(pixels), batch_size)])
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    rows = np.column_stack([np.arange(1, len(classes) + 1), classes])
+    np.savetxt(partial, rows, fmt="%d", delimiter=",", header="ImageId,Label", comments="")
+    os.replace(partial, out)
+    return len(rows)

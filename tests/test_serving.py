@@ -1,0 +1,129 @@
+import csv
+import subprocess
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import cli, serving
+
+
+def run(*args):
+    return CliRunner().invoke(cli.main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def trained(digits_split):
+    """The 3+3 CNN after one epoch under each landed strategy."""
+    train, _ = digits_split
+    models = {}
+    for strategy in ["single", "mirrored"]:
+        model = cnnpar.models.cnn("3+3")
+        model.fit(train.x[:1024], train.y[:1024], batch_size=64, verbose=0, strategy=strategy, results_dir=None)
+        models[strategy] = model
+    return models
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    base = tmp_path_factory.mktemp("models") / "digits"
+    return base, serving.export(trained["single"], base)
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+def test_export_after_each_strategy_matches_in_a_fresh_tensorflow_process(trained, strategy, tmp_path):
+    model = trained[strategy]
+    target = serving.export(model, tmp_path / "digits")
+    assert target == tmp_path / "digits" / "1"
+    assert sorted(p.name for p in (tmp_path / "digits").iterdir()) == ["1"]  # no partial folder left
+    for part in ["saved_model.pb", "variables", "assets.extra/tf_serving_warmup_requests"]:
+        assert (target / part).exists()
+    pixels = serving.sample_pixels()
+    served = serving.load_in_fresh_process(target, pixels)
+    expected = model.predict(pixels.reshape(-1, 28, 28, 1) / 255.0, verbose=0)
+    assert np.max(np.abs(served["probabilities"] - expected)) < 1e-5
+    np.testing.assert_array_equal(served["class"], expected.argmax(axis=1))
+
+
+def test_saved_model_cli_shows_the_signature_and_runs_it(exported, tmp_path):
+    _, target = exported
+    shown = subprocess.run(["saved_model_cli", "show", "--all", "--dir", str(target)], capture_output=True,
+                           text=True, timeout=120).stdout
+    signature = shown[shown.index("signature_def['serving_default']"):]
+    for line in ["inputs['pixels'] tensor_info:", "outputs['probabilities'] tensor_info:",
+                 "outputs['class'] tensor_info:", "shape: (-1, 784)", "shape: (-1, 10)", "shape: (-1)"]:
+        assert line in signature
+    np.save(tmp_path / "sample.npy", serving.sample_pixels()[:5])
+    subprocess.run(["saved_model_cli", "run", "--dir", str(target), "--tag_set", "serve", "--signature_def",
+                    "serving_default", "--inputs", f"pixels={tmp_path / 'sample.npy'}", "--outdir",
+                    str(tmp_path / "out")], capture_output=True, timeout=120, check=True)
+    probabilities = np.load(tmp_path / "out" / "probabilities.npy")
+    assert probabilities.shape == (5, 10)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_a_second_export_of_a_version_needs_force_and_keeps_the_first(exported, trained):
+    base, target = exported
+    first = (target / "saved_model.pb").read_bytes()
+    with pytest.raises(FileExistsError, match=r"1 already exists; pass force=True \(--force\) to replace it"):
+        serving.export(trained["mirrored"], base, version=1)
+    assert (target / "saved_model.pb").read_bytes() == first
+    assert serving.export(trained["single"], base, version=1, force=True) == target
+    assert sorted(p.name for p in base.iterdir()) == ["1"]
+
+
+def test_a_mismatching_export_is_removed_and_fails(trained, tmp_path, monkeypatch):
+    real = serving.load_in_fresh_process
+
+    def off_by_a_bit(export_dir, pixels):
+        outputs = real(export_dir, pixels)
+        return {**outputs, "probabilities": outputs["probabilities"] + 1e-3}
+
+    monkeypatch.setattr(serving, "load_in_fresh_process", off_by_a_bit)
+    with pytest.raises(serving.ExportError, match=r"differ from the model's by 0.001 \(tolerance 1e-05\); "
+                                                  r"nothing was written"):
+        serving.export(trained["single"], tmp_path / "digits")
+    assert list((tmp_path / "digits").iterdir()) == []
+
+
+def test_train_export_predict_round_trip_on_the_kaggle_files(tmp_path, digits):
+    assert run("data", "kaggle", "--out", tmp_path / "data").exit_code == 0
+    small = tmp_path / "data" / "small.csv"
+    small.write_text("\n".join((tmp_path / "data" / "train.csv").read_text().splitlines()[:1601]) + "\n")
+    result = run("train", "--model", "2+2", "--epochs", 2, "--data", small, "--results", tmp_path / "results",
+                 "--export", tmp_path / "models" / "digits", "--verbose", 0)
+    assert result.exit_code == 0, result.output
+    assert f"exported {tmp_path / 'models' / 'digits' / '1'}" in result.output
+    weights = tmp_path / "results" / "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.weights.h5"
+    result = run("export", "--weights", weights, "--out", tmp_path / "models" / "digits")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "models" / "digits").iterdir()) == ["1", "2"]
+    submission = tmp_path / "submission.csv"
+    result = run("predict", "--model-dir", tmp_path / "models" / "digits" / "2", "--test",
+                 tmp_path / "data" / "test.csv", "--out", submission)
+    assert result.exit_code == 0, result.output
+    with open(submission, newline="") as file:
+        rows = list(csv.reader(file))
+    assert rows[0] == ["ImageId", "Label"]
+    assert [int(r[0]) for r in rows[1:]] == list(range(1, 1001))
+    _, test = cnnpar.data.split(digits, validation_fraction=0.2, seed=0)  # the labels test.csv leaves out
+    accuracy = np.mean(np.array([int(r[1]) for r in rows[1:]]) == test.y)
+    assert accuracy > 0.8
+
+
+def test_predict_on_bad_input_exits_2_and_writes_nothing(exported, tmp_path):
+    _, target = exported
+    bad = tmp_path / "test.csv"
+    bad.write_text(",".join(f"pixel{i}" for i in range(784)) + "\n" + ",".join(["300"] * 784) + "\n")
+    result = run("predict", "--model-dir", target, "--test", bad, "--out", tmp_path / "submission.csv")
+    assert result.exit_code == 2
+    assert "line 2, column pixel0: expected a pixel value in 0..255. Received: 300" in " ".join(result.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.csv"]
+
+
+def test_export_of_weights_that_do_not_exist_exits_2(tmp_path):
+    missing = tmp_path / "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.weights.h5"
+    result = run("export", "--weights", missing, "--out", tmp_path / "models")
+    assert result.exit_code == 2 and "file not found" in result.output
+    assert not (tmp_path / "models").exists()
