@@ -18,7 +18,9 @@ class DataParallel(Strategy):
     across replicas, and every replica applies the same update. With fewer
     accelerators than ``devices``, the CPU (or the GPU) is split into logical
     devices; that must happen before TensorFlow starts, so call
-    ``cnnpar.devices.configure(N)`` first.
+    ``cnnpar.devices.configure(N)`` first. Keras 3 fails under
+    ``MirroredStrategy`` with ``steps_per_execution > 1`` (keras-team/keras#19246),
+    so this strategy runs one step per call.
 
     Example:
 
@@ -39,10 +41,6 @@ class DataParallel(Strategy):
             The global batch is the same as under ``Single``, so no scaling keeps
             the two comparable; scale when you grow the global batch with the
             replicas.
-
-    Keras 3 fails under ``MirroredStrategy`` with ``steps_per_execution > 1``
-    ("You must feed a value for placeholder tensor", keras-team/keras#19246), so
-    this strategy runs one step per call.
     """
 
     def __init__(self, devices=None, *, scale_lr=None):
