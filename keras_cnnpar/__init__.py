@@ -26,6 +26,7 @@ _EXPORTS = {
     "Strategy": "keras_cnnpar.strategies",
     "Single": "keras_cnnpar.strategies",
     "DataParallel": "keras_cnnpar.strategies",
+    "LayerPlacement": "keras_cnnpar.strategies",
 }
 _SUBMODULES = ("callbacks", "data", "devices", "models", "serving", "strategies", "training")
 

@@ -73,11 +73,13 @@ class RunLogger(keras.callbacks.Callback):
     Args:
         info: the run's :class:`RunInfo`.
         results_dir: folder of the three files; created when training starts.
+        report: the strategy's layout report, logged after the start line.
     """
 
-    def __init__(self, info, results_dir):
+    def __init__(self, info, results_dir, report=None):
         super().__init__()
         self.info = info
+        self.report = report
         self.results_dir = Path(results_dir)
         self._file = None
         self._writer = None
@@ -93,6 +95,8 @@ class RunLogger(keras.callbacks.Callback):
         self._log(f"start model={self.info.model} strategy={self.info.strategy} devices={self.info.devices} "
                   f"global_batch={self.info.global_batch} epochs={self.info.epochs} "
                   f"initial_epoch={self.info.initial_epoch} csv={path.name}")
+        for line in (self.report or "").splitlines():
+            self._log(f"layout {line}")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()

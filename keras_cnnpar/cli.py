@@ -35,10 +35,13 @@ def main():
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
 @click.option("--strategy", "strategy_name", default="single", show_default=True,
-              help="single (one device) or mirrored (sync data parallel on MirroredStrategy).")
+              help="single (one device), mirrored (sync data parallel on MirroredStrategy) or layers "
+                   "(layers placed on devices, see --microbatches).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
+@click.option("--microbatches", type=click.IntRange(min=1), default=None,
+              help="For --strategy layers: micro-batches per batch, pipelined across the stages (default 1).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")
@@ -60,7 +63,7 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, epochs, batch_size, source, data_dir, validation_fraction,
+def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, source, data_dir, validation_fraction,
           scale_lr, results_dir, no_log, seed, verbose, export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
@@ -77,7 +80,7 @@ def train(model_kind, strategy_name, devices, epochs, batch_size, source, data_d
     from keras_cnnpar import models, strategies, training
 
     try:
-        strategy = strategies.create(strategy_name, devices=devices,
+        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches,
                                      scale_lr=None if scale_lr == "none" else scale_lr)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None

@@ -18,7 +18,7 @@ True
 import keras
 
 
-def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None):
+def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model):
     """Return a compiled copy of ``model`` built inside ``scope``, holding its weights and state.
 
     Args:
@@ -26,13 +26,14 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None):
         scope: context manager to build under, e.g. ``strategy.scope()``.
         lr_factor: multiplies the optimizer's learning rate (see ``scale_lr``).
         steps_per_execution: overrides the compiled value when given.
+        clone: makes the uncompiled copy; its weights must come in ``model``'s order.
     """
     config = model.get_compile_config()
     config["optimizer"] = _scaled_optimizer(model.optimizer, lr_factor)
     if steps_per_execution is not None:
         config["steps_per_execution"] = steps_per_execution
     with scope:
-        copy = keras.models.clone_model(model)
+        copy = clone(model)
         copy.compile_from_config(config)
     copy_state(model, copy)
     return copy

@@ -55,14 +55,17 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
+    prepared = strategy.prepare(model)
+    report = strategy.report()
+    if report and fit_kwargs.get("verbose", 1):
+        print(report)
     logger = None
     if results_dir is not None and strategy.is_chief:
         info = callback_lib.RunInfo(
             model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
             global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch)
-        logger = callback_lib.RunLogger(info, results_dir)
+        logger = callback_lib.RunLogger(info, results_dir, report=report)
     callbacks = [*(callbacks or []), *([logger] if logger else [])]
-    prepared = strategy.prepare(model)
     try:
         history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,
                                callbacks=callbacks, initial_epoch=initial_epoch, **fit_kwargs)

@@ -68,9 +68,10 @@ def test_missing_data_file_exits_2(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "ring"], "unknown strategy 'ring'; valid names are ['mirrored', 'single']"),
+    (["--strategy", "ring"], "unknown strategy 'ring'; valid names are ['layers', 'mirrored', 'single']"),
     (["--strategy", "single", "--devices", "2"], "strategy 'single' takes no devices. Received: devices=2"),
     (["--model", "4+4"], "'4+4' is not one of '2+2', '3+3'"),
+    (["--microbatches", "4"], "strategy 'single' takes no microbatches. Received: microbatches=4"),
 ])
 def test_bad_options_exit_2_with_the_reason(tmp_path, args, message):
     result = run("train", *args, "--results", tmp_path / "results")
@@ -84,6 +85,6 @@ def test_help_lists_every_command_and_option():
                          timeout=60)
     assert top.returncode == 0 and "train" in top.stdout and "data" in top.stdout
     train_help = run("train", "--help").output
-    for option in ["--model", "--strategy", "--devices", "--epochs", "--batch-size", "--data", "--data-dir",
+    for option in ["--model", "--strategy", "--devices", "--microbatches", "--epochs", "--batch-size", "--data", "--data-dir",
                    "--validation-fraction", "--scale-lr", "--results", "--no-log", "--seed", "--verbose"]:
         assert option in train_help

@@ -2,11 +2,12 @@
 
 >>> from keras_cnnpar import strategies
 >>> strategies.names()
-['mirrored', 'single']
+['layers', 'mirrored', 'single']
 """
 
 from keras_cnnpar.strategies.base import Strategy, create, names, register, resolve
 from keras_cnnpar.strategies.mirrored import DataParallel
+from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 
-__all__ = ["DataParallel", "Single", "Strategy", "create", "names", "register", "resolve"]
+__all__ = ["DataParallel", "LayerPlacement", "Single", "Strategy", "create", "names", "register", "resolve"]

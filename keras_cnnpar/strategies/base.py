@@ -13,7 +13,7 @@ Strings name strategies through a small registry:
 <Single devices=1>
 >>> resolve("nope")
 Traceback (most recent call last):
-ValueError: unknown strategy 'nope'; valid names are ['mirrored', 'single']. Received: strategy='nope'
+ValueError: unknown strategy 'nope'; valid names are ['layers', 'mirrored', 'single']. Received: strategy='nope'
 """
 
 import contextlib
@@ -116,6 +116,10 @@ class Strategy:
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
         return SCALE_LR[self.scale_lr](self.num_replicas)
+
+    def report(self):
+        """Text that describes the prepared layout (printed and logged before training), or None."""
+        return None
 
     def prepare(self, model):
         """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""

@@ -1,0 +1,281 @@
+"""Model parallel: contiguous runs of layers on devices, pipelined over micro-batches (GPipe-style)."""
+
+import functools
+import math
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_cnnpar import devices as device_lib
+from keras_cnnpar import rebuild
+from keras_cnnpar.strategies.base import Strategy, register
+
+
+@register("layers")
+class LayerPlacement(Strategy):
+    """Model parallel: each device holds a contiguous run of layers (a stage).
+
+    The layers of a ``keras.Sequential`` model are cut into stages, one per
+    device; every layer's ``build`` and ``call`` run under its device, so its
+    variables and ops live there and activations flow from stage to stage.
+    The whole global ``batch_size`` passes through every stage. With
+    ``microbatches=m > 1`` each batch is cut into ``m`` micro-batches that flow
+    through the stages independently, so different devices can work on
+    different micro-batches at once; their predictions are joined before the
+    loss, which makes one gradient and one update per batch, equal to
+    ``microbatches=1``. Before training, a table of the stages (layers,
+    parameters, bytes, estimated FLOPs, balance) is printed and logged, and
+    the expected bubble ``(p-1)/(m+p-1)`` and each stage's measured time per
+    micro-batch go into the epoch CSV.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.devices.configure(2)
+    ['/device:CPU:0', '/device:CPU:1']
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, verbose=0, results_dir=None,
+    ...                     strategy=cnnpar.LayerPlacement(devices=2, microbatches=4))
+
+    Args:
+        devices: number of devices, or a list of device names.
+        placement: ``None`` balances contiguous stages by estimated FLOPs. Or a
+            dict from layer names or indexes (in ``model.layers``) to device
+            indexes or names; a layer not named goes where the layer before it
+            went (the first layer to device 0).
+        microbatches: micro-batches per global batch (1: no pipelining).
+        steps_per_execution: training steps per call into TensorFlow (default 8).
+    """
+
+    def __init__(self, devices=2, placement=None, microbatches=1, *, steps_per_execution=8):
+        super().__init__(steps_per_execution=steps_per_execution)
+        if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)) or devices == 0 \
+                or (isinstance(devices, int) and devices < 1):
+            raise ValueError(f"devices must be a positive int or a list of device names. Received: devices={devices!r}")
+        if placement is not None and not isinstance(placement, dict):
+            raise TypeError(f"placement must be None or a dict of layer -> device. Received: placement={placement!r}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int. Received: microbatches={microbatches!r}")
+        self.devices = devices if isinstance(devices, int) else list(devices)
+        self.placement = placement
+        self.microbatches = microbatches
+        self.stages = None
+
+    @property
+    def num_devices(self):
+        return self.devices if isinstance(self.devices, int) else len(self.devices)
+
+    def __repr__(self):
+        return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
+
+    def prepare(self, model):
+        if not isinstance(model, keras.Sequential):
+            raise TypeError("LayerPlacement cuts a keras.Sequential model into stages. "
+                            f"Received: model of type {type(model).__name__}")
+        names = device_lib.resolve(self.devices)
+        layers = list(model.layers)
+        owner = assign_stages(layers, len(names), self.placement, names)
+        self.stages = [Stage(names[d], [l for l, o in zip(layers, owner) if o == d]) for d in sorted(set(owner))]
+        device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
+
+        def clone(user_model):
+            placed = keras.models.clone_model(user_model, clone_function=lambda l: _placed(l, device_of[l.name]))
+            return placed if self.microbatches == 1 else _MicroBatched(placed, self.microbatches)
+
+        return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone)
+
+    def report(self):
+        """The stage table (stage, device, layers, parameters, bytes, estimated MFLOP per image, share)."""
+        total = sum(s.flops for s in self.stages) or 1
+        lines = [f"{'stage':<6}{'device':<16}{'params':>11}{'bytes':>13}{'MFLOP/img':>11}{'share':>7}  layers"]
+        for i, s in enumerate(self.stages):
+            lines.append(f"{i:<6}{s.device:<16}{s.params:>11,}{s.bytes:>13,}{s.flops / 1e6:>11.2f}"
+                         f"{s.flops / total:>7.2f}  {', '.join(l.name for l in s.layers)}")
+        p, m = len(self.stages), self.microbatches
+        lines.append(f"balance: the largest stage has {max(s.flops for s in self.stages) / total:.0%} of the FLOPs "
+                     f"(even: {1 / p:.0%}); expected bubble (p-1)/(m+p-1) = {bubble_fraction(p, m):.3f}")
+        return "\n".join(lines)
+
+    def fit(self, prepared, train, **fit_kwargs):
+        stats = StageTimes(self, train)
+        callbacks = [stats, *fit_kwargs.pop("callbacks", [])]
+        return super().fit(prepared, train, callbacks=callbacks, **fit_kwargs)
+
+
+def bubble_fraction(stages, microbatches):
+    """GPipe's idle share of a step: ``(p - 1) / (m + p - 1)``."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+class Stage:
+    """One device's run of layers, with its parameter count, bytes and estimated forward FLOPs per image."""
+
+    def __init__(self, device, layers):
+        self.device, self.layers = device, layers
+        self.params = sum(layer.count_params() for layer in layers)
+        self.bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for l in layers for w in l.weights)
+        self.flops = sum(layer_flops(layer) for layer in layers)
+
+
+def layer_flops(layer):
+    """Estimated forward FLOPs per image: 2 per multiply-add of Conv2D and Dense, 1 per output value elsewhere."""
+    out = layer.output.shape[1:]
+    if isinstance(layer, keras.layers.Conv2D):
+        return 2 * math.prod(out) * math.prod(layer.kernel_size) * layer.input.shape[-1]
+    if isinstance(layer, keras.layers.Dense):
+        return 2 * math.prod(out) * layer.input.shape[-1]
+    return math.prod(out)
+
+
+def assign_stages(layers, n_devices, placement, names):
+    """Stage index of each layer: balanced by FLOPs, or from ``placement``; checked for contiguity."""
+    if placement is None:
+        return balanced_stages([layer_flops(layer) for layer in layers], n_devices)
+    index = {layer.name: i for i, layer in enumerate(layers)}
+    chosen = {}
+    for key, device in placement.items():
+        position = key if isinstance(key, int) and 0 <= key < len(layers) else index.get(key)
+        if position is None:
+            raise ValueError(f"placement names unknown layer {key!r}; the layers are {list(index)} (or indexes "
+                             f"0..{len(layers) - 1}). Received: placement={placement!r}")
+        chosen[position] = _device_index(device, names, placement)
+    owner, current = [], 0
+    for i in range(len(layers)):
+        current = chosen.get(i, current)
+        owner.append(current)
+    runs = [d for i, d in enumerate(owner) if i == 0 or owner[i - 1] != d]
+    if len(runs) != len(set(runs)):
+        raise ValueError(f"placement makes non-contiguous stages: device order along the layers is {runs}; each "
+                         f"device must hold one unbroken run of layers. Received: placement={placement!r}")
+    return owner
+
+
+def _device_index(device, names, placement):
+    if isinstance(device, int) and not isinstance(device, bool):
+        if not 0 <= device < len(names):
+            raise ValueError(f"placement uses device {device}, but there are {len(names)} devices "
+                             f"(0..{len(names) - 1}): more stages than devices. Received: placement={placement!r}")
+        return device
+    try:
+        return names.index(device_lib.resolve([device])[0])
+    except (TypeError, ValueError):
+        raise ValueError(f"placement uses device {device!r}, which is not one of this strategy's devices "
+                         f"{names}. Received: placement={placement!r}") from None
+
+
+def balanced_stages(costs, n_stages):
+    """Cut ``costs`` into at most ``n_stages`` contiguous runs minimising the largest run; return each item's run.
+
+    >>> balanced_stages([4, 1, 1, 1, 5], 2)
+    [0, 0, 0, 1, 1]
+    """
+    n = len(costs)
+    k = min(n_stages, n)
+    prefix = np.concatenate([[0], np.cumsum(costs)])
+    best = {(0, 0): (0.0, None)}  # (items, stages) -> (largest run, cut)
+    for stages in range(1, k + 1):
+        for items in range(stages, n + 1):
+            best[items, stages] = min(
+                (max(best[cut, stages - 1][0], prefix[items] - prefix[cut]), cut)
+                for cut in range(stages - 1, items) if (cut, stages - 1) in best)
+    owner, items = [], n
+    for stage in range(k, 0, -1):
+        cut = best[items, stage][1]
+        owner[:0] = [stage - 1] * (items - cut)
+        items = cut
+    return owner
+
+
+def _placed(layer, device):
+    """A fresh copy of ``layer`` whose ``build`` and ``call`` run under ``tf.device(device)``."""
+    copy = layer.__class__.from_config(layer.get_config())
+    copy.build = _on_device(copy.build, device)
+    copy.call = _on_device(copy.call, device)
+    return copy
+
+
+def _on_device(method, device):
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with tf.device(device):
+            return method(*args, **kwargs)
+
+    return run
+
+
+class _MicroBatched(keras.Model):
+    """Runs ``inner`` on ``microbatches`` slices of each batch and joins the outputs.
+
+    Each slice's chain of stages is independent of the others', so TensorFlow's
+    executor overlaps them across devices, forward and backward; the joined
+    predictions make the loss, gradient and update of the whole batch.
+    """
+
+    def __init__(self, inner, microbatches):
+        super().__init__(name=inner.name)
+        self.inner, self.microbatches = inner, microbatches
+
+    def call(self, inputs, training=False):
+        size = tf.shape(inputs)[0]
+        bounds = [size * i // self.microbatches for i in range(self.microbatches + 1)]
+        return tf.concat([self.inner(inputs[bounds[i]:bounds[i + 1]], training=training)
+                          for i in range(self.microbatches)], axis=0)
+
+
+class StageTimes(keras.callbacks.Callback):
+    """Adds ``bubble_fraction`` and each stage's measured seconds per micro-batch to the epoch logs.
+
+    Before training it times forward and backward of every stage alone on one
+    micro-batch of the first batch. It must come before ``RunLogger``, which
+    writes what the logs hold; ``LayerPlacement.fit`` puts it first.
+    """
+
+    def __init__(self, strategy, train):
+        super().__init__()
+        self.strategy, self.train = strategy, train
+        self.seconds = []
+
+    def on_train_begin(self, logs=None):
+        x = next(iter(self.train))[0]
+        x = x[: max(1, int(x.shape[0]) // self.strategy.microbatches)]
+        layers = {layer.name: layer for layer in _inner(self.model).layers}
+        self.seconds = []
+        for stage in self.strategy.stages:
+            seconds, x = _time_stage([layers[l.name] for l in stage.layers], x)
+            self.seconds.append(seconds)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["bubble_fraction"] = bubble_fraction(len(self.seconds), self.strategy.microbatches)
+            logs.update({f"stage{i}_seconds": s for i, s in enumerate(self.seconds)})
+
+
+def _inner(model):
+    return model.inner if isinstance(model, _MicroBatched) else model
+
+
+def _time_stage(layers, x, repeats=5):
+    """Median seconds of forward + backward through ``layers`` on ``x``; and the stage's output."""
+    variables = [w for layer in layers for w in layer.trainable_weights]
+
+    @tf.function
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            out = inputs
+            for layer in layers:
+                out = layer(out, training=True)
+            total = tf.reduce_sum(out)
+        return out, tape.gradient(total, [inputs, *variables])
+
+    out, _ = step(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _, grads = step(x)
+        float(tf.reduce_sum(grads[0]))  # wait for the result
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), out

@@ -1,0 +1,92 @@
+import csv
+
+import keras
+import pytest
+import tensorflow as tf
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar.strategies import placement
+from tests.conftest import max_weight_difference
+
+DENSE = 5  # index of the 2+2's first Dense layer in model.layers
+
+
+def test_automatic_placement_balances_contiguous_stages_by_flops():
+    model, strategy = cnnpar.models.cnn("2+2"), cnnpar.LayerPlacement(devices=2)
+    strategy.prepare(model)
+    assert [stage.layers for stage in strategy.stages] == [model.layers[:3], model.layers[3:]]  # conv, pool, conv
+    assert [s.params for s in strategy.stages] == [52_096, 3_222_538]
+    assert [s.flops for s in strategy.stages] == [1_254_400 + 6_272 + 20_070_400,
+                                                  3_136 + 3_136 + 6_422_528 + 1_024 + 20_480]
+    report = strategy.report().splitlines()
+    assert report[1].startswith("0     /device:CPU:0        52,096      208,384      21.33   0.77  conv2d")
+    assert report[-1] == ("balance: the largest stage has 77% of the FLOPs (even: 50%); "
+                          "expected bubble (p-1)/(m+p-1) = 0.500")
+
+
+def test_variables_and_ops_sit_on_their_stage_devices():
+    model = cnnpar.models.cnn("2+2")
+    prepared = cnnpar.LayerPlacement(devices=2, placement={model.layers[DENSE].name: 1}).prepare(model)
+    devices = [w.value.device.split("device:")[-1] for w in prepared.weights]
+    assert devices == ["CPU:0"] * 4 + ["CPU:1"] * 4  # conv kernels and biases, then dense ones
+    graph = tf.function(prepared).get_concrete_function(tf.TensorSpec([None, 28, 28, 1])).graph
+    placed = {(op.type, op.device.split("device:")[-1]) for op in graph.get_operations()
+              if op.type in ("Conv2D", "MatMul", "Softmax")}
+    assert placed == {("Conv2D", "CPU:0"), ("MatMul", "CPU:1"), ("Softmax", "CPU:1")}
+
+
+@pytest.mark.parametrize("mapping, message", [
+    ({"no_such_layer": 1}, "placement names unknown layer 'no_such_layer'; the layers are ['conv2d"),
+    ({2: 1, DENSE: 0}, "placement makes non-contiguous stages: device order along the layers is [0, 1, 0]"),
+    ({DENSE: 2}, "placement uses device 2, but there are 2 devices (0..1): more stages than devices"),
+    ({DENSE: "/gpu:7"}, "placement uses device '/gpu:7', which is not one of this strategy's devices"),
+])
+def test_invalid_placements_are_refused_with_the_reason(mapping, message):
+    with pytest.raises(ValueError) as raised:
+        cnnpar.LayerPlacement(devices=2, placement=mapping).prepare(cnnpar.models.cnn("2+2"))
+    assert str(raised.value).startswith(message)
+
+
+def test_only_sequential_models_are_cut_into_stages():
+    inputs = keras.Input((28, 28, 1))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
+    with pytest.raises(TypeError, match="^LayerPlacement cuts a keras.Sequential model into stages. "
+                                        "Received: model of type Functional$"):
+        cnnpar.LayerPlacement(2).prepare(model)
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_one_sgd_step_matches_single_within_1e_5(small_cnn, digits, microbatches):
+    x, y = digits.x[::78][:64], digits.y[::78][:64]
+    single, placed = small_cnn(seed=3), small_cnn(seed=3)
+    for model, strategy in [(single, "single"), (placed, cnnpar.LayerPlacement(2, microbatches=microbatches))]:
+        model.fit(x, y, batch_size=64, shuffle=False, verbose=0, strategy=strategy, results_dir=None)
+    assert max_weight_difference(single, small_cnn(seed=3)) > 1e-3
+    assert max_weight_difference(single, placed) < 1e-5
+
+
+def test_epoch_csv_records_bubble_and_measured_stage_times(small_cnn, digits, tmp_path):
+    small_cnn().fit(digits.x[:256], digits.y[:256], batch_size=64, epochs=2, verbose=0, results_dir=tmp_path,
+                    strategy=cnnpar.LayerPlacement(2, microbatches=4))
+    with open(tmp_path / "small_cnn_keras_tensorflow_layers_2dev.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [float(r["bubble_fraction"]) for r in rows] == [0.2, 0.2]
+    assert all(float(r["stage0_seconds"]) > 0 and float(r["stage1_seconds"]) > 0 for r in rows)
+    log = (tmp_path / "results.log").read_text()
+    assert "layout balance: the largest stage has" in log
+
+
+def test_balanced_stages_minimises_the_largest_stage():
+    assert placement.balanced_stages([4, 1, 1, 1, 5], 2) == [0, 0, 0, 1, 1]
+    assert placement.balanced_stages([1, 2, 3, 4, 5, 6], 3) == [0, 0, 0, 1, 1, 2]  # 6 | 9 | 6
+    assert placement.balanced_stages([3], 2) == [0]
+
+
+@pytest.mark.parametrize("kind, floor", [("2+2", 0.93), ("3+3", 0.92)])
+def test_three_epochs_on_two_devices_reach_the_floor(kind, floor, digits_split):
+    train, val = digits_split
+    keras.utils.set_random_seed(0)
+    model = cnnpar.models.cnn(kind)
+    history = model.fit(train.x, train.y, epochs=3, batch_size=64, validation_data=(val.x, val.y), verbose=0,
+                        strategy=cnnpar.LayerPlacement(2, microbatches=2), results_dir=None)
+    assert history.history["val_accuracy"][-1] >= floor
