@@ -90,3 +90,15 @@ def test_three_epochs_on_two_devices_reach_the_floor(kind, floor, digits_split):
     history = model.fit(train.x, train.y, epochs=3, batch_size=64, validation_data=(val.x, val.y), verbose=0,
                         strategy=cnnpar.LayerPlacement(2, microbatches=2), results_dir=None)
     assert history.history["val_accuracy"][-1] >= floor
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"microbatches": 0}, ValueError, "microbatches must be a positive int. Received: microbatches=0"),
+    ({"devices": []}, ValueError, "devices must name at least one device. Received: devices=[]"),
+    ({"placement": [1, 2]}, TypeError, "placement must be None or a dict of layer -> device. Received: placement=[1, 2]"),
+])
+def test_layer_placement_validates_its_arguments(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        cnnpar.LayerPlacement(**kwargs)
+    assert str(raised.value) == message
+    assert repr(cnnpar.LayerPlacement(2, microbatches=4)) == "<LayerPlacement devices=2 microbatches=4>"

@@ -69,6 +69,17 @@ def create(alias, **options):
     return cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
 
 
+def check_devices(devices):
+    """Validate a ``devices`` option: a positive int or a non-empty list of device names."""
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise TypeError(f"devices must be an int or a list of device names. Received: devices={devices!r}")
+    if isinstance(devices, int) and devices < 1:
+        raise ValueError(f"devices must be at least 1. Received: devices={devices}")
+    if not isinstance(devices, int) and not devices:
+        raise ValueError("devices must name at least one device. Received: devices=[]")
+    return devices if isinstance(devices, int) else list(devices)
+
+
 def check_scale_lr(scale_lr):
     """Validate a ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None``."""
     if scale_lr not in SCALE_LR:
@@ -89,7 +100,8 @@ class Strategy:
     """
 
     alias = "strategy"
-    num_devices = 1
+    #: A device count, or a list of device names.
+    devices = 1
     num_replicas = 1
     scale_lr = None
     #: Only the chief writes logs, checkpoints and exports.
@@ -101,6 +113,10 @@ class Strategy:
             raise ValueError(f"steps_per_execution must be a positive int. "
                              f"Received: steps_per_execution={steps_per_execution!r}")
         self.steps_per_execution = steps_per_execution
+
+    @property
+    def num_devices(self):
+        return self.devices if isinstance(self.devices, int) else len(self.devices)
 
     def __repr__(self):
         return f"<{type(self).__name__} devices={self.num_devices}>"

@@ -5,7 +5,7 @@ import functools
 import tensorflow as tf
 
 from keras_cnnpar import devices as device_lib
-from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+from keras_cnnpar.strategies.base import Strategy, check_devices, check_scale_lr, register
 
 
 @register("mirrored")
@@ -45,20 +45,12 @@ class DataParallel(Strategy):
 
     def __init__(self, devices=None, *, scale_lr=None):
         super().__init__(steps_per_execution=1)
-        if devices is None:
-            devices = len(tf.config.list_physical_devices("GPU")) or 2
-        if isinstance(devices, int) and not isinstance(devices, bool) and devices < 1:
-            raise ValueError(f"devices must be at least 1. Received: devices={devices}")
-        if not isinstance(devices, (int, list, tuple)) or isinstance(devices, bool):
-            raise TypeError(f"devices must be an int or a list of device names. Received: devices={devices!r}")
-        self.devices = devices if isinstance(devices, int) else list(devices)
+        self.devices = check_devices(len(tf.config.list_physical_devices("GPU")) or 2 if devices is None else devices)
         self.scale_lr = check_scale_lr(scale_lr)
 
     @property
-    def num_devices(self):
-        return self.devices if isinstance(self.devices, int) else len(self.devices)
-
-    num_replicas = num_devices
+    def num_replicas(self):
+        return self.num_devices
 
     def __repr__(self):
         shown = self.devices if isinstance(self.devices, int) else ",".join(self.devices)

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar import rebuild
-from keras_cnnpar.strategies.base import Strategy, register
+from keras_cnnpar.strategies.base import Strategy, check_devices, register
 
 
 @register("layers")
@@ -52,21 +52,14 @@ class LayerPlacement(Strategy):
 
     def __init__(self, devices=2, placement=None, microbatches=1, *, steps_per_execution=8):
         super().__init__(steps_per_execution=steps_per_execution)
-        if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)) or devices == 0 \
-                or (isinstance(devices, int) and devices < 1):
-            raise ValueError(f"devices must be a positive int or a list of device names. Received: devices={devices!r}")
+        self.devices = check_devices(devices)
         if placement is not None and not isinstance(placement, dict):
             raise TypeError(f"placement must be None or a dict of layer -> device. Received: placement={placement!r}")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int. Received: microbatches={microbatches!r}")
-        self.devices = devices if isinstance(devices, int) else list(devices)
         self.placement = placement
         self.microbatches = microbatches
         self.stages = None
-
-    @property
-    def num_devices(self):
-        return self.devices if isinstance(self.devices, int) else len(self.devices)
 
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
