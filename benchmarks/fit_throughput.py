@@ -9,30 +9,8 @@ Single >= 1.3x plain Keras, DataParallel(2) >= 0.9x Single.
 Run: python benchmarks/fit_throughput.py [--epochs 4] [--rounds 2]
 """
 
-import argparse
-import os
-import statistics
-import time
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import keras_cnnpar as cnnpar  # noqa: E402
-
-cnnpar.devices.configure(2)
-
-import keras  # noqa: E402
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def __init__(self, images):
-        super().__init__()
-        self.images, self.rates = images, []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.rates.append(self.images / (time.perf_counter() - self.start))
+import keras
+from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
 
 
 def measure(name, train, epochs):
@@ -49,20 +27,13 @@ def measure(name, train, epochs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
-    train, _ = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
+    args = parse_args(__doc__)
+    train = training_split()
     names = ["plain keras", "cnnpar single", "cnnpar mirrored(2)"]
-    rates = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for name in names:
-            rates[name] += measure(name, train, args.epochs)
-    median = {name: statistics.median(values) for name, values in rates.items()}
+    median = run_rounds(names, args.rounds, lambda name: measure(name, train, args.epochs))
     print(f"\n2+2 CNN, {len(train)} images, global batch 64, {args.rounds} rounds x {args.epochs - 1} timed epochs")
     for name in names:
-        print(f"  {name:20s} {median[name]:8.0f} images/s  (min {min(rates[name]):.0f}, max {max(rates[name]):.0f})")
+        print(f"  {name:20s} {median[name]:8.0f} images/s")
     single_vs_keras = median["cnnpar single"] / median["plain keras"]
     mirrored_vs_single = median["cnnpar mirrored(2)"] / median["cnnpar single"]
     print(f"  single / plain keras      = {single_vs_keras:.2f}x  (target >= 1.30x)")

@@ -10,30 +10,8 @@ slowest stage per batch instead of m times the sum of the stages.
 Run: python benchmarks/placement_throughput.py [--epochs 4] [--rounds 2]
 """
 
-import argparse
-import os
-import statistics
-import time
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import keras_cnnpar as cnnpar  # noqa: E402
-
-cnnpar.devices.configure(2)
-
-import keras  # noqa: E402
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def __init__(self, images):
-        super().__init__()
-        self.images, self.rates = images, []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.rates.append(self.images / (time.perf_counter() - self.start))
+import keras
+from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
 
 
 def measure(strategy, train, epochs):
@@ -53,20 +31,18 @@ def predicted_speedup(stage_seconds, microbatches):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
-    train, _ = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
+    args = parse_args(__doc__)
+    train = training_split()
     configs = {"single": lambda: "single",
                "layers(2, m=1)": lambda: cnnpar.LayerPlacement(2, microbatches=1),
                "layers(2, m=4)": lambda: cnnpar.LayerPlacement(2, microbatches=4)}
-    rates, stages = {name: [] for name in configs}, {}
-    for _ in range(args.rounds):
-        for name, make in configs.items():
-            measured, stages[name] = measure(make(), train, args.epochs)
-            rates[name] += measured
-    median = {name: statistics.median(values) for name, values in rates.items()}
+    stages = {}
+
+    def run(name):
+        rates, stages[name] = measure(configs[name](), train, args.epochs)
+        return rates
+
+    median = run_rounds(configs, args.rounds, run)
     print(f"\n2+2 CNN, {len(train)} images, global batch 64, {args.rounds} rounds x {args.epochs - 1} timed epochs")
     for name in configs:
         print(f"  {name:16s} {median[name]:8.0f} images/s  ({median[name] / median['single']:.2f}x single)")

@@ -1,0 +1,54 @@
+"""What the benchmark scripts share: 2 logical devices, the training split, and per-epoch images/s.
+
+Import it first: it creates the logical devices before TensorFlow starts.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras_cnnpar as cnnpar  # noqa: E402
+
+cnnpar.devices.configure(2)
+
+import keras  # noqa: E402
+
+
+class EpochTimer(keras.callbacks.Callback):
+    """Records each epoch's images/s: ``images`` over the epoch's wall time."""
+
+    def __init__(self, images):
+        super().__init__()
+        self.images, self.rates = images, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.rates.append(self.images / (time.perf_counter() - self.start))
+
+
+def training_split():
+    """The 4,000-image training part of mnist-5k (stratified, seed 0)."""
+    train, _ = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
+    return train
+
+
+def run_rounds(configs, rounds, measure):
+    """Run ``measure(name)`` for every config, ``rounds`` times interleaved; return name -> median images/s."""
+    rates = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name in configs:
+            rates[name] += measure(name)
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def parse_args(doc):
+    """``--epochs`` (default 4; the first is not timed) and ``--rounds`` (default 2)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args()
