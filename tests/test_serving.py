@@ -9,19 +9,23 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import cli, serving
 
 
+STRATEGIES = {"single": "single", "mirrored": "mirrored",
+              "layers": cnnpar.LayerPlacement(2, microbatches=2)}
+
+
 def run(*args):
     return CliRunner().invoke(cli.main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
 def trained(digits_split):
-    """The 3+3 CNN after one epoch under each landed strategy."""
+    """The 3+3 CNN after one epoch under each landed strategy (the weights are back in the user's model)."""
     train, _ = digits_split
     models = {}
-    for strategy in ["single", "mirrored"]:
+    for name, strategy in STRATEGIES.items():
         model = cnnpar.models.cnn("3+3")
         model.fit(train.x[:1024], train.y[:1024], batch_size=64, verbose=0, strategy=strategy, results_dir=None)
-        models[strategy] = model
+        models[name] = model
     return models
 
 
@@ -31,7 +35,7 @@ def exported(trained, tmp_path_factory):
     return base, serving.export(trained["single"], base)
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored"])
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_export_after_each_strategy_matches_in_a_fresh_tensorflow_process(trained, strategy, tmp_path):
     model = trained[strategy]
     target = serving.export(model, tmp_path / "digits")
