@@ -76,6 +76,14 @@ def test_epoch_csv_records_bubble_and_measured_stage_times(small_cnn, digits, tm
     assert "layout balance: the largest stage has" in log
 
 
+def test_stages_follow_the_layers_when_the_first_layers_go_to_the_second_device(small_cnn, digits):
+    strategy = cnnpar.LayerPlacement(2, placement={0: 1, 3: 0}, microbatches=2)
+    model = small_cnn()
+    model.fit(digits.x[:64], digits.y[:64], batch_size=32, verbose=0, strategy=strategy, results_dir=None)
+    assert [stage.device for stage in strategy.stages] == ["/device:CPU:1", "/device:CPU:0"]
+    assert [len(stage.layers) for stage in strategy.stages] == [3, 3]
+
+
 def test_balanced_stages_minimises_the_largest_stage():
     assert placement.balanced_stages([4, 1, 1, 1, 5], 2) == [0, 0, 0, 1, 1]
     assert placement.balanced_stages([1, 2, 3, 4, 5, 6], 3) == [0, 0, 0, 1, 1, 2]  # 6 | 9 | 6

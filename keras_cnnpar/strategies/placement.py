@@ -71,7 +71,8 @@ class LayerPlacement(Strategy):
         names = device_lib.resolve(self.devices)
         layers = list(model.layers)
         owner = assign_stages(layers, len(names), self.placement, names)
-        self.stages = [Stage(names[d], [l for l, o in zip(layers, owner) if o == d]) for d in sorted(set(owner))]
+        self.stages = [Stage(names[d], [l for l, o in zip(layers, owner) if o == d])
+                       for d in dict.fromkeys(owner)]  # in layer order
         device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
 
         def clone(user_model):
