@@ -84,6 +84,11 @@ def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, 
                                      scale_lr=None if scale_lr == "none" else scale_lr)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+    if export_dir is not None and export_version is not None \
+            and os.path.exists(os.path.join(export_dir, str(export_version))):
+        raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
+                                 f"version or use `cnnpar export --force` after training. "
+                                 f"Received: --version {export_version}", param_hint="--version")
     device_lib.configure(strategy.num_devices)
     try:
         digits = data_lib.load(source, data_dir=data_dir)

@@ -78,9 +78,10 @@ def export(model, base_dir, version=None, *, force=False, verify=True):
     base_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=base_dir))
     try:
-        _write(model, staging)
+        pixels = sample_pixels()
+        _write(model, staging, pixels[:4])
         if verify:
-            _verify(model, staging)
+            _verify(model, staging, pixels)
         _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -116,21 +117,21 @@ def serving_function(model):
     return serve
 
 
-def _write(model, folder):
+def _write(model, folder, warmup_pixels):
     archive = keras.export.ExportArchive()  # Keras's variable tracking: TF Serving's C++ loader restores them
     archive.track(model)
     serve = serving_function(model)
     archive.add_endpoint(SIGNATURE, serve, input_signature=serve.input_signature)
     archive.write_out(str(folder), verbose=False)
-    _write_warmup(folder / WARMUP_FILE)
+    _write_warmup(folder / WARMUP_FILE, warmup_pixels)
 
 
-def _write_warmup(path):
-    """Write one ``PredictRequest`` on the fixed sample, so a TF Serving server warms up on load."""
+def _write_warmup(path, pixels):
+    """Write one ``PredictRequest`` on ``pixels``, so a TF Serving server warms up on load."""
     from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
 
     request = predict_pb2.PredictRequest(model_spec=model_pb2.ModelSpec(signature_name=SIGNATURE))
-    request.inputs[INPUT].CopyFrom(tf.make_tensor_proto(sample_pixels()[:4]))
+    request.inputs[INPUT].CopyFrom(tf.make_tensor_proto(pixels))
     log = prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=request))
     path.parent.mkdir(parents=True, exist_ok=True)
     with tf.io.TFRecordWriter(str(path)) as writer:
@@ -143,8 +144,7 @@ def sample_pixels():
     return np.rint(digits.x[::157][:32].reshape(32, -1) * 255.0).astype(np.float32)
 
 
-def _verify(model, folder):
-    pixels = sample_pixels()
+def _verify(model, folder, pixels):
     expected = model.predict(pixels.reshape(-1, 28, 28, 1) / 255.0, verbose=0)
     served = load_in_fresh_process(folder, pixels)["probabilities"]
     difference = float(np.max(np.abs(served - expected)))

@@ -116,6 +116,14 @@ def test_train_export_predict_round_trip_on_the_kaggle_files(tmp_path, digits):
     assert accuracy > 0.8
 
 
+def test_train_refuses_an_existing_export_version_before_training(exported, tmp_path):
+    base, _ = exported
+    result = run("train", "--export", base, "--version", 1, "--results", tmp_path / "results")
+    assert result.exit_code == 2
+    assert f"{base / '1'} already exists; choose another version" in " ".join(result.output.split())
+    assert not (tmp_path / "results").exists()
+
+
 def test_predict_on_bad_input_exits_2_and_writes_nothing(exported, tmp_path):
     _, target = exported
     bad = tmp_path / "test.csv"
