@@ -27,8 +27,9 @@ _EXPORTS = {
     "Single": "keras_cnnpar.strategies",
     "DataParallel": "keras_cnnpar.strategies",
     "LayerPlacement": "keras_cnnpar.strategies",
+    "MultiWorker": "keras_cnnpar.strategies",
 }
-_SUBMODULES = ("callbacks", "data", "devices", "models", "serving", "strategies", "training")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "serving", "strategies", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -5,6 +5,7 @@ logical devices can be created before TensorFlow starts its runtime.
 """
 
 import os
+import sys
 
 import click
 
@@ -35,13 +36,23 @@ def main():
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
 @click.option("--strategy", "strategy_name", default="single", show_default=True,
-              help="single (one device), mirrored (sync data parallel on MirroredStrategy) or layers "
-                   "(layers placed on devices, see --microbatches).")
+              help="single (one device), mirrored (sync data parallel on MirroredStrategy), multi-worker "
+                   "(sync data parallel across processes, see --workers) or layers (layers placed on "
+                   "devices, see --microbatches).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="For --strategy layers: micro-batches per batch, pipelined across the stages (default 1).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="For --strategy multi-worker: start this many worker processes on this machine. Without it, "
+                   "this process is one worker of the cluster in TF_CONFIG.")
+@click.option("--resume", is_flag=True, default=None,
+              help="For multi-worker: continue a preempted run from its checkpoint.")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="For multi-worker: folder of the preemption checkpoints. Default: RESULTS/checkpoints.")
+@click.option("--collective-timeout", "timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="For multi-worker: seconds a worker waits for its peers before failing (default 60).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")
@@ -63,14 +74,22 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, source, data_dir, validation_fraction,
-          scale_lr, results_dir, no_log, seed, verbose, export_dir, export_version):
+def train(model_kind, strategy_name, devices, microbatches, workers, resume, checkpoint_dir, timeout, epochs,
+          batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose, export_dir,
+          export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
-    exits with code 2 before anything is written.
+    exits with code 2 before anything is written. With --strategy multi-worker
+    --workers N, N worker processes run this same command; only the chief
+    (worker 0) writes files, and any worker's failure fails the command.
     """
     _quiet_tensorflow()
+    if workers is not None and strategy_name != "multi-worker":
+        raise click.BadParameter(f"--workers is for --strategy multi-worker. Received: --strategy {strategy_name}",
+                                 param_hint="--workers")
+    if workers is not None and not os.environ.get("TF_CONFIG"):
+        return _launch_workers(workers)
     import time
 
     import keras
@@ -79,17 +98,23 @@ def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, 
     from keras_cnnpar import devices as device_lib
     from keras_cnnpar import models, strategies, training
 
+    if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
+        checkpoint_dir = os.path.join(results_dir, "checkpoints")
     try:
-        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches,
+        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches, resume=resume,
+                                     checkpoint_dir=checkpoint_dir, timeout=timeout,
                                      scale_lr=None if scale_lr == "none" else scale_lr)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+    if workers is not None and workers != strategy.task.num_workers:
+        raise click.BadParameter(f"TF_CONFIG holds {strategy.task.num_workers} workers. Received: --workers {workers}",
+                                 param_hint="--workers")
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
                                  f"version or use `cnnpar export --force` after training. "
                                  f"Received: --version {export_version}", param_hint="--version")
-    device_lib.configure(strategy.num_devices)
+    device_lib.configure(strategy.local_devices)
     try:
         digits = data_lib.load(source, data_dir=data_dir)
     except data_lib.DataError as error:
@@ -99,9 +124,15 @@ def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, 
     model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
     started = time.perf_counter()
     validation = (val_part.x, val_part.y) if len(val_part) else None
-    history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
-                           batch_size=batch_size, validation_data=validation, verbose=verbose,
-                           results_dir=None if no_log else results_dir)
+    try:
+        history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
+                               batch_size=batch_size, validation_data=validation, verbose=verbose,
+                               results_dir=None if no_log else results_dir)
+    except strategies.Preempted as preempted:
+        click.echo(str(preempted), err=True)
+        raise
+    if not strategy.is_chief:
+        return
     if not no_log:
         from keras_cnnpar import serving
 
@@ -111,6 +142,28 @@ def train(model_kind, strategy_name, devices, microbatches, epochs, batch_size, 
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _launch_workers(workers):
+    """Run this command in ``workers`` local processes (each finds TF_CONFIG set) and forward a failure."""
+    from keras_cnnpar import cluster
+
+    try:
+        cluster.run_local_workers(_command_line(click.get_current_context()), workers)
+    except cluster.WorkerFailed as failure:
+        click.echo(f"Error: {failure}", err=True)
+        sys.exit(failure.returncode if failure.returncode > 0 else 1)
+
+
+def _command_line(context):
+    """The arguments that give ``context``'s command the same parameters again."""
+    args = [context.info_name]
+    for param in context.command.params:
+        value = context.params[param.name]
+        if value is None or value is False:
+            continue
+        args += [param.opts[0]] if value is True else [param.opts[0], str(value)]
+    return args
 
 
 def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history, seconds,

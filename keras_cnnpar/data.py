@@ -210,17 +210,18 @@ def split(digits, *, validation_fraction=0.2, seed=0):
     return digits.subset(train), digits.subset(val)
 
 
-def pipeline(x, y, batch_size, *, shuffle=True):
+def pipeline(x, y, batch_size, *, shuffle=True, seed=None):
     """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``.
 
     Shuffling reshuffles every epoch and follows TensorFlow's global seed
-    (``keras.utils.set_random_seed``).
+    (``keras.utils.set_random_seed``) and ``seed``; processes that share both
+    shuffle alike.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).cache()
     if shuffle:
-        dataset = dataset.shuffle(len(x), reshuffle_each_iteration=True)
+        dataset = dataset.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
     return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
 
 

@@ -49,13 +49,14 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     _check_model(model)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
-                                                strategy.steps_per_execution)
+                                                strategy)
     if samples is not None and fit_kwargs.get("steps_per_epoch"):
         samples = fit_kwargs["steps_per_epoch"] * batch_size
     fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
     prepared = strategy.prepare(model)
+    initial_epoch = strategy.resume_epoch(initial_epoch)
     report = strategy.report()
     if report and fit_kwargs.get("verbose", 1):
         print(report)
@@ -87,7 +88,7 @@ def _check_model(model):
                          f"before fit. Received: model.compiled=False")
 
 
-def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, steps_per_execution):
+def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy):
     """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
 
     Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
@@ -111,17 +112,18 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, steps_
                              f"Received: validation_split={validation_split}")
         cut = int(len(x) * (1.0 - validation_split))
         x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train, steps = _epoch_dataset(x, y, batch_size, bool(shuffle), steps_per_execution)
+    train, steps = _epoch_dataset(x, y, batch_size, strategy.steps_per_execution, shuffle=bool(shuffle),
+                                  seed=strategy.shuffle_seed)
     steps = {"steps_per_epoch": steps}
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
         val_x, val_y = (np.asarray(a) for a in validation_data[:2])
-        validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size, False,
-                                                               steps_per_execution)
+        validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size,
+                                                               strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
 
 
-def _epoch_dataset(x, y, batch_size, shuffle, steps_per_execution):
+def _epoch_dataset(x, y, batch_size, steps_per_execution, *, shuffle=False, seed=None):
     """The input pipeline of ``(x, y)``, repeated with its steps per pass where Keras allows; else ``steps=None``.
 
     A repeated dataset keeps one input iterator (and its per-device prefetching)
@@ -130,7 +132,7 @@ def _epoch_dataset(x, y, batch_size, shuffle, steps_per_execution):
     ``steps_per_execution`` chunks on a repeated dataset, so a pass whose steps
     are not a multiple of it stays finite and Keras stops at its end.
     """
-    dataset = data_lib.pipeline(x, y, batch_size, shuffle=shuffle)
+    dataset = data_lib.pipeline(x, y, batch_size, shuffle=shuffle, seed=seed)
     steps = math.ceil(len(x) / batch_size)
     if steps % steps_per_execution:
         return dataset, None

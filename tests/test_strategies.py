@@ -22,14 +22,14 @@ def test_aliases_resolve_to_strategy_objects():
 
 
 def test_unknown_alias_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['layers', 'mirrored', 'single'\]. "
+    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['layers', 'mirrored', 'multi-worker', 'single'\]. "
                                          r"Received: strategy='horovod'$"):
         strategies.resolve("horovod")
 
 
 def test_strategy_of_the_wrong_type_is_a_type_error():
     with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['layers', "
-                                        r"'mirrored', 'single'\]. Received: strategy=2 of type int$"):
+                                        r"'mirrored', 'multi-worker', 'single'\]. Received: strategy=2 of type int$"):
         strategies.resolve(2)
 
 

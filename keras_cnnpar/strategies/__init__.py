@@ -2,12 +2,14 @@
 
 >>> from keras_cnnpar import strategies
 >>> strategies.names()
-['layers', 'mirrored', 'single']
+['layers', 'mirrored', 'multi-worker', 'single']
 """
 
-from keras_cnnpar.strategies.base import Strategy, create, names, register, resolve
+from keras_cnnpar.strategies.base import Strategy, accepts, create, names, register, resolve
 from keras_cnnpar.strategies.mirrored import DataParallel
+from keras_cnnpar.strategies.multi_worker import MultiWorker, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 
-__all__ = ["DataParallel", "LayerPlacement", "Single", "Strategy", "create", "names", "register", "resolve"]
+__all__ = ["DataParallel", "LayerPlacement", "MultiWorker", "Preempted", "Single", "Strategy", "accepts", "create",
+           "names", "register", "resolve"]

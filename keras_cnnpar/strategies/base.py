@@ -13,7 +13,7 @@ Strings name strategies through a small registry:
 <Single devices=1>
 >>> resolve("nope")
 Traceback (most recent call last):
-ValueError: unknown strategy 'nope'; valid names are ['layers', 'mirrored', 'single']. Received: strategy='nope'
+ValueError: unknown strategy 'nope'; valid names are ['layers', 'mirrored', 'multi-worker', 'single']. Received: strategy='nope'
 """
 
 import contextlib
@@ -52,6 +52,15 @@ def resolve(strategy):
                     f"Received: strategy={strategy!r} of type {type(strategy).__name__}")
 
 
+def accepts(alias, option):
+    """Whether the strategy named ``alias`` takes ``option``.
+
+    >>> accepts("mirrored", "devices"), accepts("single", "devices")
+    (True, False)
+    """
+    return alias in _REGISTRY and option in inspect.signature(_REGISTRY[alias]).parameters
+
+
 def create(alias, **options):
     """Build the strategy named ``alias`` from the options it accepts (the CLI's path).
 
@@ -60,13 +69,11 @@ def create(alias, **options):
     """
     if alias not in _REGISTRY:
         raise ValueError(f"unknown strategy {alias!r}; valid names are {names()}. Received: strategy={alias!r}")
-    cls = _REGISTRY[alias]
-    accepted = inspect.signature(cls).parameters
-    rejected = {k: v for k, v in options.items() if k not in accepted and v not in (None, 1)}
+    rejected = {k: v for k, v in options.items() if not accepts(alias, k) and v not in (None, 1)}
     if rejected:
         key, value = next(iter(rejected.items()))
         raise ValueError(f"strategy {alias!r} takes no {key}. Received: {key}={value!r}")
-    return cls(**{k: v for k, v in options.items() if k in accepted and v is not None})
+    return _REGISTRY[alias](**{k: v for k, v in options.items() if accepts(alias, k) and v is not None})
 
 
 def check_devices(devices):
@@ -106,6 +113,8 @@ class Strategy:
     scale_lr = None
     #: Only the chief writes logs, checkpoints and exports.
     is_chief = True
+    #: Seed of the input shuffle; None follows TensorFlow's global seed.
+    shuffle_seed = None
 
     def __init__(self, *, steps_per_execution=8):
         if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
@@ -132,6 +141,15 @@ class Strategy:
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
         return SCALE_LR[self.scale_lr](self.num_replicas)
+
+    @property
+    def local_devices(self):
+        """How many logical devices this process needs (``cnnpar.devices.configure``)."""
+        return self.num_devices
+
+    def resume_epoch(self, initial_epoch):
+        """The epoch to start at: ``initial_epoch``, or later when a checkpoint was restored."""
+        return initial_epoch
 
     def report(self):
         """Text that describes the prepared layout (printed and logged before training), or None."""

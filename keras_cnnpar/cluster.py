@@ -1,0 +1,227 @@
+"""Clusters of TensorFlow tasks: ``TF_CONFIG`` specs, and local worker processes on loopback.
+
+A cluster is described as in ``TF_CONFIG``: a map from job name to task
+addresses, and this process's own task in it. Worker 0 is the chief unless the
+cluster has a ``chief`` job.
+
+>>> spec = local_spec(workers=2, ports=[2222, 2223])
+>>> spec
+{'worker': ['localhost:2222', 'localhost:2223']}
+>>> task = Task.parse({"cluster": spec, "task": {"type": "worker", "index": 1}})
+>>> task, task.is_chief, task.num_workers
+(<Task worker:1 of {'worker': 2}>, False, 2)
+>>> Task.parse({"cluster": spec, "task": {"type": "worker", "index": 2}})
+Traceback (most recent call last):
+ValueError: TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. Received: task={'type': 'worker', 'index': 2}
+
+:func:`run_local_workers` starts a command once per worker on this machine,
+each process with its own ``TF_CONFIG``, streams the chief's output and fails
+as soon as one worker fails.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
+PREEMPTED_EXIT_CODE = 42
+#: Jobs whose tasks train; the rest (``ps``, ``evaluator``) do not count as workers.
+TRAINING_JOBS = ("chief", "worker")
+
+
+class WorkerFailed(RuntimeError):
+    """A local worker process exited with a non-zero code; carries the code and its output's tail."""
+
+    def __init__(self, index, returncode, output):
+        self.index, self.returncode, self.output = index, returncode, output
+        if returncode == PREEMPTED_EXIT_CODE:
+            what = "was preempted: it saved a checkpoint and stopped; rerun with --resume to continue"
+        elif returncode < 0:
+            what = f"was killed by {signal.Signals(-returncode).name}"
+        else:
+            what = f"exited with code {returncode}"
+        super().__init__(f"worker {index} {what}" + (f"; its last output:\n{output}" if output else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One task of a cluster: the cluster's jobs and addresses, and this task's job and index."""
+
+    cluster: dict
+    type: str
+    index: int
+
+    @classmethod
+    def parse(cls, config=None):
+        """The task described by ``config``: a ``TF_CONFIG``-style dict, the path of a JSON file
+        holding one, or None for the ``TF_CONFIG`` environment variable."""
+        source = "TF_CONFIG"
+        if config is None:
+            if not os.environ.get("TF_CONFIG"):
+                raise ValueError("no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass "
+                                 "cluster=<dict or JSON file>, or run `cnnpar train --strategy multi-worker "
+                                 "--workers N` to start N workers on this machine. Received: TF_CONFIG=''")
+            config = _json(os.environ["TF_CONFIG"], "TF_CONFIG")
+        elif isinstance(config, (str, Path)):
+            source = str(config)
+            try:
+                config = _json(Path(config).read_text(encoding="utf-8"), source)
+            except OSError as error:
+                raise ValueError(f"cannot read cluster file {source}: {error.strerror}. "
+                                 f"Received: cluster={source!r}") from None
+        if not isinstance(config, dict):
+            raise TypeError(f"cluster must be a TF_CONFIG-style dict or the path of a JSON file. "
+                            f"Received: cluster of type {type(config).__name__}")
+        return cls(*_validated(config, source))
+
+    @property
+    def is_chief(self):
+        """The chief writes logs, checkpoints and exports: the ``chief`` task, or worker 0 without one."""
+        return self.type == "chief" or (self.type == "worker" and self.index == 0 and "chief" not in self.cluster)
+
+    @property
+    def num_workers(self):
+        return sum(len(self.cluster.get(job, ())) for job in TRAINING_JOBS)
+
+    def tf_config(self):
+        return {"cluster": self.cluster, "task": {"type": self.type, "index": self.index}}
+
+    def __repr__(self):
+        return f"<Task {self.type}:{self.index} of {({job: len(a) for job, a in self.cluster.items()})}>"
+
+
+def _json(text, source):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source}: expected JSON, line {error.lineno} column {error.colno}: {error.msg}. "
+                         f"Received: {text[:80]!r}") from None
+
+
+def _validated(config, source):
+    cluster, task = config.get("cluster"), config.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ValueError(f"{source}: expected a 'cluster' map of job name to addresses. "
+                         f"Received: cluster={cluster!r}")
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not addresses or not all(
+                isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
+            raise ValueError(f"{source}: job {job!r} must list 'host:port' addresses. "
+                             f"Received: {job}={addresses!r}")
+    if not any(job in cluster for job in TRAINING_JOBS):
+        raise ValueError(f"{source}: the cluster needs a 'worker' or 'chief' job. Received: jobs={sorted(cluster)}")
+    if not isinstance(task, dict) or task.get("type") not in cluster or not isinstance(task.get("index"), int):
+        raise ValueError(f"{source}: expected a 'task' with a 'type' among {sorted(cluster)} and an int 'index'. "
+                         f"Received: task={task!r}")
+    if not 0 <= task["index"] < len(cluster[task["type"]]):
+        raise ValueError(f"{source}: task index {task['index']} is outside job {task['type']!r}, which has "
+                         f"{len(cluster[task['type']])} tasks. Received: task={task!r}")
+    return cluster, task["type"], task["index"]
+
+
+def free_ports(n):
+    """``n`` distinct TCP ports that are free on loopback now."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("localhost", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def local_spec(workers, ports=None):
+    """A cluster of ``workers`` tasks on loopback, on ``ports`` (default: free ones)."""
+    return {"worker": [f"localhost:{port}" for port in ports or free_ports(workers)]}
+
+
+def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
+    """Run ``python -m keras_cnnpar.cli *argv`` once per worker on loopback; raise ``WorkerFailed`` on failure.
+
+    Each process gets its own ``TF_CONFIG``. The chief's output goes to this
+    process's stdout and stderr as it comes; the other workers' goes to
+    temporary files that are removed at the end, and a failing worker's last
+    lines are in the error. When one worker fails the others are killed, except
+    after a preemption: then they get ``preemption_grace_seconds`` to finish
+    their checkpoint. A SIGTERM or SIGINT sent here is passed on to the workers
+    as SIGTERM, so they save a preemption checkpoint and stop.
+    """
+    spec = local_spec(workers)
+    with tempfile.TemporaryDirectory(prefix="cnnpar-workers-") as logs:
+        processes = [_start_worker(argv, Task(spec, "worker", i), logs) for i in range(workers)]
+        forward = _forward_signals(processes)
+        try:
+            failed = _wait_for_failure(processes, poll_seconds)
+            if failed is not None and processes[failed].returncode == PREEMPTED_EXIT_CODE:
+                _wait_all(processes, preemption_grace_seconds)
+        finally:
+            forward.restore()
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+        if failed is not None:
+            raise WorkerFailed(failed, processes[failed].returncode, _tail(Path(logs) / f"worker{failed}.log"))
+
+
+def _start_worker(argv, task, logs):
+    env = {**os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
+    output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "keras_cnnpar.cli", *argv], env=env, stdout=output,
+                                stderr=subprocess.STDOUT if output else None, start_new_session=True)
+    finally:
+        if output:
+            output.close()
+
+
+def _wait_for_failure(processes, poll_seconds):
+    """Wait until every process ended; return the index of the first that failed, or None."""
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            return failed[0]
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(poll_seconds)
+
+
+def _wait_all(processes, seconds):
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
+class _forward_signals:
+    """Pass SIGTERM and SIGINT on to ``processes`` as SIGTERM, until ``restore()``."""
+
+    def __init__(self, processes):
+        self.processes = processes
+        self.previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _forward(self, signum, frame):
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _tail(path, lines=20):
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])

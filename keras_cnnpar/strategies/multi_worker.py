@@ -1,0 +1,248 @@
+"""Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
+
+import shutil
+import signal
+from pathlib import Path
+
+import keras
+import tensorflow as tf
+
+from keras_cnnpar import cluster as cluster_lib
+from keras_cnnpar import models
+from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+
+
+class Preempted(SystemExit):
+    """Raised in every worker after a preemption checkpoint was saved; exits with code 42."""
+
+    def __init__(self, checkpoint_dir):
+        super().__init__(cluster_lib.PREEMPTED_EXIT_CODE)
+        self.checkpoint_dir = checkpoint_dir
+
+    def __str__(self):
+        return f"preempted: checkpoint saved in {self.checkpoint_dir}; rerun with resume=True (--resume) to continue"
+
+
+@register("multi-worker")
+class MultiWorker(Strategy):
+    """Sync data parallel across processes or hosts, on ``MultiWorkerMirroredStrategy``.
+
+    Every worker process holds a full replica of the model (one per local GPU,
+    or one on the CPU). Each step splits the global ``batch_size`` evenly across
+    all replicas of all workers: worker ``i`` gets the ``i``-th slice of every
+    batch, so the workers see different examples and, together, the same
+    batches as :class:`DataParallel` over as many devices. The gradients are
+    all-reduced across workers and every replica applies the same update. Every
+    worker shuffles with the same seed, which keeps the slices disjoint.
+
+    Keras 3's ``fit`` fails under this strategy (keras-team/keras#20585); the
+    prepared copy of the model gets a contained fix, so Keras's ``fit``,
+    callbacks and ``History`` work as usual and no other model is touched.
+
+    Only the chief (the ``chief`` task, or worker 0) writes the run's CSVs,
+    log, weights and exports. A SIGTERM to any worker makes all of them save a
+    checkpoint at the same step (``PreemptionCheckpointHandler``) and exit with
+    code 42; ``resume=True`` (``cnnpar train --resume``) then restores it and
+    trains the remaining epochs, starting again at the interrupted epoch's first
+    step with the weights saved at preemption. A worker that dies makes the
+    others fail after ``timeout`` seconds instead of waiting forever.
+
+    Create the strategy at the top of the program: TensorFlow must join the
+    cluster before it starts its runtime. On one machine,
+    ``cnnpar train --strategy multi-worker --workers 2`` starts the processes.
+
+    Example (in each worker process, with ``TF_CONFIG`` set):
+
+    >>> import keras_cnnpar as cnnpar
+    >>> strategy = cnnpar.MultiWorker()          # doctest: +SKIP
+    >>> model = cnnpar.models.cnn("2+2")          # doctest: +SKIP
+    >>> digits = cnnpar.data.load()               # doctest: +SKIP
+    >>> history = model.fit(digits.x, digits.y, batch_size=64, epochs=3,
+    ...                     strategy=strategy)    # doctest: +SKIP
+
+    Args:
+        cluster: None reads ``TF_CONFIG``; else a ``TF_CONFIG``-style dict or the
+            path of a JSON file holding one.
+        checkpoint_dir: folder of the preemption checkpoints (one sub-folder per
+            run configuration); None turns preemption handling off.
+        resume: restore the checkpoint of a preempted run, if there is one.
+            Without it, an existing checkpoint is an error, so none is lost.
+        timeout: seconds a collective operation waits for its peers before
+            the run fails.
+        scale_lr: ``"linear"``, ``"sqrt"`` or ``None`` (default), as in
+            :class:`DataParallel`.
+    """
+
+    #: Every worker shuffles alike, so each gets a different slice of the same batches.
+    shuffle_seed = 0
+
+    def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None):
+        super().__init__(steps_per_execution=1)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
+        self.task = cluster_lib.Task.parse(cluster)
+        self.is_chief = self.task.is_chief
+        self.checkpoint_dir = checkpoint_dir
+        self.resume = bool(resume)
+        self.timeout = timeout
+        self.scale_lr = check_scale_lr(scale_lr)
+        self._strategy = _join_cluster(self.task, timeout)
+        self._checkpoint = None
+
+    @property
+    def devices(self):
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def num_replicas(self):
+        return self.devices
+
+    @property
+    def local_devices(self):
+        return 1  # the strategy takes every local GPU, or the CPU, itself
+
+    def __repr__(self):
+        return (f"<MultiWorker workers={self.task.num_workers} replicas={self.num_replicas} "
+                f"task={self.task.type}:{self.task.index}>")
+
+    def _tf_strategy(self):
+        return self._strategy
+
+    def distribute(self, dataset):
+        """This worker's part of ``dataset`` (batched by the global batch): its slice of every batch."""
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+        return self._strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+    def prepare(self, model):
+        prepared = super().prepare(model)
+        if self.checkpoint_dir is not None:
+            with self.scope():
+                prepared.optimizer.build(prepared.trainable_variables)
+            directory = Path(self.checkpoint_dir) / models.run_file_name(prepared.name, self.alias, self.devices, "")
+            self._checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared, directory, self.resume)
+        return prepared
+
+    def resume_epoch(self, initial_epoch):
+        return max(initial_epoch, self._checkpoint.completed_epochs if self._checkpoint else 0)
+
+    def report(self):
+        lines = [f"multi-worker: {self.task.num_workers} workers, {self.num_replicas} replicas, "
+                 f"this is {self.task.type} {self.task.index}{' (chief)' if self.is_chief else ''}"]
+        if self._checkpoint is not None and self._checkpoint.completed_epochs:
+            lines.append(f"resumed from {self._checkpoint.directory} after epoch {self._checkpoint.completed_epochs}")
+        return "\n".join(lines)
+
+    def fit(self, prepared, train, *, validation_data=None, callbacks=(), **fit_kwargs):
+        _contain_keras_20585(prepared, train.element_spec)
+        if self._checkpoint is not None:
+            callbacks = [self._checkpoint.callback(), *callbacks]
+        validation = self.distribute(validation_data) if validation_data is not None else None
+        try:
+            return prepared.fit(self.distribute(train), validation_data=validation, callbacks=callbacks,
+                                shuffle=False, **fit_kwargs)
+        finally:
+            if self._checkpoint is not None:
+                self._checkpoint.stop_watching()
+
+    def finalize(self, prepared, model):
+        super().finalize(prepared, model)
+        if self._checkpoint is not None:
+            self._checkpoint.remove()
+
+
+def _join_cluster(task, timeout):
+    """Start this task's gRPC server and join the cluster; return the ``MultiWorkerMirroredStrategy``."""
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(task.cluster), task_type=task.type, task_id=task.index, rpc_layer="grpc")
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"cannot join the cluster: {error}. Create cnnpar.MultiWorker() at the top of your program, before "
+            f"building any model or tensor (the `cnnpar` CLI does this for you).") from None
+
+
+def _contain_keras_20585(model, element_spec):
+    """Let Keras's ``fit`` run on this ``model`` instance under ``MultiWorkerMirroredStrategy``.
+
+    Keras 3 fails there in two places (keras-team/keras#20585):
+
+    1. ``_maybe_symbolic_build`` reduces a ``PerReplica`` input batch with
+       ``strategy.reduce``. The model, its loss and metrics are built here from
+       the dataset's element spec instead, and the step is skipped.
+    2. The step's logs are reduced with ``strategy.reduce("MEAN", value, axis=0)``,
+       which rejects scalars. The logs are equal on every replica (the metrics
+       are synced), so they are given shape ``[1]`` and the mean is their value.
+
+    Only the attributes of this instance change; Keras's classes stay as they are.
+    """
+    def symbolic(spec):
+        return keras.KerasTensor(spec.shape, spec.dtype.name)
+
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, element_spec))
+    model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
+    model.train_step = _logs_as_vectors(model.train_step)
+    model.test_step = _logs_as_vectors(model.test_step)
+
+
+def _logs_as_vectors(step):
+    def step_with_vector_logs(data):
+        return {name: tf.reshape(value, [1]) for name, value in step(data).items()}
+
+    return step_with_vector_logs
+
+
+class _PreemptionCheckpoint:
+    """A run's preemption checkpoint: the prepared model, its optimizer and the completed epochs.
+
+    ``PreemptionCheckpointHandler`` watches for SIGTERM on every worker; the
+    callback lets it save at the end of each step. The chief writes to
+    ``directory``, the other workers to temporary folders beside it that are
+    removed when they finish.
+    """
+
+    def __init__(self, strategy, task, prepared, directory, resume):
+        self.directory = directory
+        self.task = task
+        if not resume and directory.exists():
+            raise ValueError(f"{directory} holds the checkpoint of an interrupted run; pass resume=True "
+                             f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
+                             f"Received: resume=False")
+        self._epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
+        checkpoint = tf.train.Checkpoint(model=prepared, optimizer=prepared.optimizer, completed_epochs=self._epochs)
+        self._sigterm = signal.getsignal(signal.SIGTERM)
+        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
+        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+            strategy.cluster_resolver, checkpoint, str(directory), config)
+        self.completed_epochs = int(self._epochs.numpy())
+
+    def _exit(self):
+        raise Preempted(self.directory)
+
+    def callback(self):
+        checkpoint = self
+
+        class SaveIfPreempted(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                checkpoint._handler.save_checkpoint_if_preempted()
+
+            def on_epoch_end(self, epoch, logs=None):
+                checkpoint._epochs.assign(epoch + 1)
+
+        return SaveIfPreempted()
+
+    def stop_watching(self):
+        """Give SIGTERM its previous meaning again (the handler keeps its own until then)."""
+        signal.signal(signal.SIGTERM, self._sigterm)
+
+    def remove(self):
+        """Delete this worker's checkpoint folder once the run completed (the chief's, or a temporary one)."""
+        folder = self.directory if self.task.is_chief else self.directory.parent / f"workertemp_{self.task.index}"
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            self.directory.parent.rmdir()  # only when no other run's checkpoint is left in it
+        except OSError:
+            pass
