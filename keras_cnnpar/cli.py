@@ -88,8 +88,10 @@ def train(model_kind, strategy_name, devices, microbatches, workers, resume, che
     if workers is not None and strategy_name != "multi-worker":
         raise click.BadParameter(f"--workers is for --strategy multi-worker. Received: --strategy {strategy_name}",
                                  param_hint="--workers")
-    if workers is not None and not os.environ.get("TF_CONFIG"):
-        return _launch_workers(workers)
+    if workers is not None:
+        if not os.environ.get("TF_CONFIG"):
+            return _launch_workers(workers)
+        _check_worker_count(workers)
     import time
 
     import keras
@@ -106,9 +108,6 @@ def train(model_kind, strategy_name, devices, microbatches, workers, resume, che
                                      scale_lr=None if scale_lr == "none" else scale_lr)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
-    if workers is not None and workers != strategy.task.num_workers:
-        raise click.BadParameter(f"TF_CONFIG holds {strategy.task.num_workers} workers. Received: --workers {workers}",
-                                 param_hint="--workers")
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
@@ -129,8 +128,10 @@ def train(model_kind, strategy_name, devices, microbatches, workers, resume, che
                                batch_size=batch_size, validation_data=validation, verbose=verbose,
                                results_dir=None if no_log else results_dir)
     except strategies.Preempted as preempted:
-        click.echo(str(preempted), err=True)
+        click.echo(f"preempted: {preempted}", err=True)
         raise
+    except strategies.PeerLost as lost:
+        raise click.ClickException(str(lost)) from None
     if not strategy.is_chief:
         return
     if not no_log:
@@ -153,6 +154,19 @@ def _launch_workers(workers):
     except cluster.WorkerFailed as failure:
         click.echo(f"Error: {failure}", err=True)
         sys.exit(failure.returncode if failure.returncode > 0 else 1)
+
+
+def _check_worker_count(workers):
+    """In a worker that TF_CONFIG describes, --workers must agree with it."""
+    from keras_cnnpar import cluster
+
+    try:
+        task = cluster.Task.parse()
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="TF_CONFIG") from None
+    if task.num_workers != workers:
+        raise click.BadParameter(f"TF_CONFIG holds {task.num_workers} workers. Received: --workers {workers}",
+                                 param_hint="--workers")
 
 
 def _command_line(context):

@@ -14,7 +14,7 @@ def one_step(model, x, y, strategy):
 
 
 def test_aliases_resolve_to_strategy_objects():
-    assert strategies.names() == ["layers", "mirrored", "single"]
+    assert strategies.names() == ["layers", "mirrored", "multi-worker", "single"]
     assert repr(strategies.resolve("single")) == "<Single devices=1>"
     assert repr(strategies.resolve("mirrored")) == "<DataParallel devices=2 scale_lr=None>"
     strategy = cnnpar.DataParallel(devices=2)

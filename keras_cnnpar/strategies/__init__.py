@@ -7,9 +7,9 @@
 
 from keras_cnnpar.strategies.base import Strategy, accepts, create, names, register, resolve
 from keras_cnnpar.strategies.mirrored import DataParallel
-from keras_cnnpar.strategies.multi_worker import MultiWorker, Preempted
+from keras_cnnpar.strategies.multi_worker import MultiWorker, PeerLost, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 
-__all__ = ["DataParallel", "LayerPlacement", "MultiWorker", "Preempted", "Single", "Strategy", "accepts", "create",
-           "names", "register", "resolve"]
+__all__ = ["DataParallel", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy", "accepts",
+           "create", "names", "register", "resolve"]

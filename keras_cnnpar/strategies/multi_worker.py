@@ -20,7 +20,11 @@ class Preempted(SystemExit):
         self.checkpoint_dir = checkpoint_dir
 
     def __str__(self):
-        return f"preempted: checkpoint saved in {self.checkpoint_dir}; rerun with resume=True (--resume) to continue"
+        return f"checkpoint saved in {self.checkpoint_dir}; rerun with resume=True (--resume) to continue"
+
+
+class PeerLost(RuntimeError):
+    """Training stopped because another worker failed or did not answer in time."""
 
 
 @register("multi-worker")
@@ -141,6 +145,11 @@ class MultiWorker(Strategy):
         try:
             return prepared.fit(self.distribute(train), validation_data=validation, callbacks=callbacks,
                                 shuffle=False, **fit_kwargs)
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as error:
+            lost = sorted({line.strip() for line in error.message.splitlines() if line.strip().startswith("/job:")})
+            raise PeerLost(f"{self.task.type} {self.task.index}: training stopped because a peer failed or did not "
+                           f"answer within timeout={self.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
+                           f"({type(error).__name__})") from error
         finally:
             if self._checkpoint is not None:
                 self._checkpoint.stop_watching()

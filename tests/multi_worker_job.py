@@ -1,0 +1,53 @@
+"""One worker of a test cluster: ``TF_CONFIG=... python tests/multi_worker_job.py MODE OUT``.
+
+Modes:
+
+- ``step``: one SGD step of the small test CNN on 64 fixed digits under
+  ``MultiWorker``; every worker saves its weights to ``OUT.<index>.npz``.
+- ``shards``: every worker writes the example indices its slices of the batches
+  held, over two epochs of a shuffled pipeline, to ``OUT.<index>.json``.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import keras_cnnpar as cnnpar  # noqa: E402
+
+SHARD_EXAMPLES, SHARD_BATCH, EPOCHS = 48, 8, 2
+
+
+def one_step(strategy, out):
+    from conftest import build_small_cnn
+
+    digits = cnnpar.data.load()
+    model = build_small_cnn(seed=1)
+    cnnpar.fit(model, digits.x[::78][:64], digits.y[::78][:64], strategy=strategy, batch_size=64, epochs=1,
+               shuffle=False, verbose=0, results_dir=None)
+    np.savez(f"{out}.{strategy.task.index}.npz", *model.get_weights())
+
+
+def shards(strategy, out):
+    indices = np.arange(SHARD_EXAMPLES, dtype="float32")
+    dataset = cnnpar.data.pipeline(indices, np.zeros(SHARD_EXAMPLES), SHARD_BATCH, shuffle=True,
+                                   seed=strategy.shuffle_seed)
+    batches = iter(strategy.distribute(dataset.repeat()))
+    steps = SHARD_EXAMPLES // SHARD_BATCH
+    seen = [[int(i) for _ in range(steps) for i in local_slice(strategy, next(batches))] for _ in range(EPOCHS)]
+    with open(f"{out}.{strategy.task.index}.json", "w", encoding="utf-8") as file:
+        json.dump(seen, file)
+
+
+def local_slice(strategy, batch):
+    x, _ = batch
+    return strategy._tf_strategy().experimental_local_results(x)[0].numpy()
+
+
+if __name__ == "__main__":
+    mode, out = sys.argv[1:3]
+    worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30)  # first: join the cluster before TF starts
+    {"step": one_step, "shards": shards}[mode](worker, out)

@@ -1,0 +1,199 @@
+"""MultiWorker across 2 real processes on loopback: parity, sharding, chief-only files, preemption, dead peers.
+
+Every test bounds its processes' time and kills whatever it started.
+"""
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import cluster
+from tests.conftest import build_small_cnn
+from tests.test_accuracy import FLOORS
+
+JOB = Path(__file__).with_name("multi_worker_job.py")
+RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
+RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"}
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@contextlib.contextmanager
+def processes(commands, cwd, envs):
+    """Start one process per command; on leaving, kill those still running."""
+    started = [subprocess.Popen(c, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for c, e in zip(commands, envs)]
+    try:
+        yield started
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+
+
+def worker_envs(workers=2):
+    spec = cluster.local_spec(workers)
+    return [{**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]
+
+
+def run_job(mode, tmp_path, timeout=180):
+    out = tmp_path / mode
+    with processes([[sys.executable, str(JOB), mode, str(out)]] * 2, tmp_path, worker_envs()) as started:
+        outputs = [p.communicate(timeout=timeout)[0] for p in started]
+    assert [p.returncode for p in started] == [0, 0], outputs
+    return out
+
+
+def cnnpar_train(*args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "multi-worker", "--verbose", "2", *args]
+
+
+def wait_for_epoch_rows(csv_path, rows, process, timeout=180):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if csv_path.exists() and len(csv_path.read_text().splitlines()) > rows:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no epoch row {rows} in {csv_path} within {timeout} s")
+
+
+def worker_pid(launcher, index):
+    """The pid of local worker ``index`` started by the launcher process."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        if f'"index": {index}}}' in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
+            return int(pid)
+    raise AssertionError(f"worker {index} is not a child of the launcher {launcher.pid}: {children}")
+
+
+def epoch_column(csv_path):
+    with open(csv_path, newline="") as file:
+        return [int(row["epoch"]) for row in csv.DictReader(file)]
+
+
+def test_one_sgd_step_matches_data_parallel_within_1e_5(tmp_path, digits):
+    out = run_job("step", tmp_path)
+    reference = build_small_cnn(seed=1)
+    cnnpar.fit(reference, digits.x[::78][:64], digits.y[::78][:64], strategy=cnnpar.DataParallel(2),
+               batch_size=64, epochs=1, shuffle=False, verbose=0, results_dir=None)
+    chief, other = (np.load(f"{out}.{i}.npz") for i in (0, 1))
+    chief = [chief[f"arr_{i}"] for i in range(len(chief.files))]
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(chief, reference.get_weights())) < 1e-5
+    assert max(float(np.max(np.abs(a - other[f"arr_{i}"]))) for i, a in enumerate(chief)) == 0.0
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(chief, build_small_cnn(seed=1).get_weights())) > 1e-3
+
+
+def test_each_worker_gets_a_different_slice_of_every_batch(tmp_path):
+    out = run_job("shards", tmp_path)
+    seen = [json.loads(Path(f"{out}.{i}.json").read_text()) for i in (0, 1)]
+    for epoch in range(2):
+        first, second = seen[0][epoch], seen[1][epoch]
+        assert len(first) == len(second) == 24
+        assert not set(first) & set(second)
+        assert sorted(first + second) == list(range(48))
+    assert seen[0][0] != seen[0][1]  # reshuffled every epoch, alike on both workers
+
+
+@pytest.mark.parametrize("kind", ["2+2", "3+3"])
+def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, kind):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    command = cnnpar_train("--model", kind, "--workers", "2", "--epochs", "3", "--results", "results")
+    result = subprocess.run(command, cwd=tmp_path, env={**ENV, "TMPDIR": str(temp)}, capture_output=True,
+                            text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_name = RUNS[kind]
+    assert sorted(os.listdir(tmp_path / "results")) == \
+        [f"{run_name}.csv", f"{run_name}.weights.h5", "results.log", "runs.csv"]
+    assert epoch_column(tmp_path / "results" / f"{run_name}.csv") == [1, 2, 3]
+    with open(tmp_path / "results" / "runs.csv", newline="") as file:
+        run = list(csv.DictReader(file))[-1]
+    assert float(run["val_accuracy"]) >= FLOORS[kind], run
+    assert run["devices"] == "2"
+    assert sorted(p.name for p in temp.iterdir() if p.name.startswith("cnnpar-workers-")) == []
+    assert result.stdout.count("Run summary") == 1  # the chief's output only
+
+
+def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epochs(tmp_path):
+    results = tmp_path / "results"
+    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results")
+    with processes([command], tmp_path, [ENV]) as (launcher,):
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)
+        os.kill(worker_pid(launcher, 1), signal.SIGTERM)
+        output = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == cluster.PREEMPTED_EXIT_CODE, output[-3000:]
+    assert "worker 1 was preempted: it saved a checkpoint and stopped; rerun with --resume to continue" in output
+    checkpoint = results / "checkpoints" / RUN
+    assert (checkpoint / "checkpoint").exists()
+    assert sorted(os.listdir(results / "checkpoints")) == [RUN]  # the other worker's copy is gone
+    done = epoch_column(results / f"{RUN}.csv")
+
+    result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
+    assert f"layout resumed from results/checkpoints/{RUN} after epoch {done[-1]}" in \
+        (results / "results.log").read_text()
+    assert not (results / "checkpoints").exists()
+
+
+def test_an_existing_checkpoint_needs_resume(tmp_path):
+    (tmp_path / "results" / "checkpoints" / RUN).mkdir(parents=True)
+    result = subprocess.run(cnnpar_train("--workers", "2", "--epochs", "1", "--results", "results"), cwd=tmp_path,
+                            env=ENV, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 1
+    assert f"results/checkpoints/{RUN} holds the checkpoint of an interrupted run; pass resume=True " \
+           "(cnnpar train --resume) to continue it, or delete the folder to start over. Received: resume=False" \
+           in result.stdout + result.stderr
+    assert not (tmp_path / "results" / f"{RUN}.csv").exists()
+
+
+def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
+    command = cnnpar_train("--epochs", "20", "--results", "results", "--collective-timeout", "15")
+    with processes([command] * 2, tmp_path, worker_envs()) as (chief, other):
+        wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, chief)
+        other.kill()
+        killed = time.monotonic()
+        output = chief.communicate(timeout=60)[0]
+        waited = time.monotonic() - killed
+    assert chief.returncode == 1
+    assert waited < 30
+    assert "Error: worker 0: training stopped because a peer failed or did not answer within timeout=15.0 s; " \
+           "lost: /job:worker/replica:0/task:1." in output
+
+
+def test_the_launcher_fails_with_the_dead_workers_error(tmp_path):
+    command = cnnpar_train("--workers", "2", "--epochs", "20", "--results", "results")
+    with processes([command], tmp_path, [ENV]) as (launcher,):
+        wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
+        os.kill(worker_pid(launcher, 1), signal.SIGKILL)
+        output = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 1
+    assert "Error: worker 1 was killed by SIGKILL; its last output:" in output
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--workers", "2", "--strategy", "mirrored"], {}, "--workers is for --strategy multi-worker. "
+                                                       "Received: --strategy mirrored"),
+    ([], {"TF_CONFIG": ""}, "no cluster: TF_CONFIG is not set."),
+    ([], {"TF_CONFIG": "{oops"}, "TF_CONFIG: expected JSON, line 1 column 2"),
+    (["--workers", "3"], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},
+                                                    "task": {"type": "worker", "index": 0}})},
+     "TF_CONFIG holds 2 workers. Received: --workers 3"),
+])
+def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, message):
+    result = subprocess.run(cnnpar_train(*args, "--results", "results"), cwd=tmp_path, env={**ENV, **env},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in " ".join(result.stderr.split())
+    assert not (tmp_path / "results").exists()
