@@ -52,7 +52,8 @@ def main():
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
               help="For multi-worker: folder of the preemption checkpoints. Default: RESULTS/checkpoints.")
 @click.option("--collective-timeout", "timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="For multi-worker: seconds a worker waits for its peers before failing (default 60).")
+              help="For multi-worker: seconds a worker waits for its peers, at the start and in every "
+                   "all-reduce, before failing (default 60).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")

@@ -172,6 +172,19 @@ def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
            "lost: /job:worker/replica:0/task:1." in output
 
 
+def test_a_cluster_that_does_not_assemble_fails_within_the_timeout(tmp_path):
+    lone_chief = worker_envs()[0]
+    started = time.monotonic()
+    result = subprocess.run(cnnpar_train("--results", "results", "--collective-timeout", "5"), cwd=tmp_path,
+                            env=lone_chief, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert time.monotonic() - started < 60
+    assert "worker 0: joining the cluster {'worker': [" in result.stderr
+    assert "]}; the process exits if it has not assembled within timeout=5.0 s" in result.stderr
+    assert "Timeout (0:00:05)!" in result.stderr
+    assert not (tmp_path / "results").exists()
+
+
 def test_the_launcher_fails_with_the_dead_workers_error(tmp_path):
     command = cnnpar_train("--workers", "2", "--epochs", "20", "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):

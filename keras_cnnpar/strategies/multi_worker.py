@@ -1,7 +1,9 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
+import faulthandler
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import keras
@@ -71,8 +73,9 @@ class MultiWorker(Strategy):
             run configuration); None turns preemption handling off.
         resume: restore the checkpoint of a preempted run, if there is one.
             Without it, an existing checkpoint is an error, so none is lost.
-        timeout: seconds a collective operation waits for its peers before
-            the run fails.
+        timeout: seconds a worker waits for its peers, to assemble the
+            cluster at the start (then the process exits with code 1) and in
+            every collective operation (then ``PeerLost`` is raised).
         scale_lr: ``"linear"``, ``"sqrt"`` or ``None`` (default), as in
             :class:`DataParallel`.
     """
@@ -161,16 +164,26 @@ class MultiWorker(Strategy):
 
 
 def _join_cluster(task, timeout):
-    """Start this task's gRPC server and join the cluster; return the ``MultiWorkerMirroredStrategy``."""
+    """Start this task's gRPC server and join the cluster; return the ``MultiWorkerMirroredStrategy``.
+
+    TensorFlow waits for every peer to register without a limit, inside a call
+    that holds the interpreter; ``faulthandler``'s watchdog, which needs no
+    Python thread, ends the process with its stack after ``timeout`` seconds.
+    """
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(task.cluster), task_type=task.type, task_id=task.index, rpc_layer="grpc")
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+    print(f"{task.type} {task.index}: joining the cluster {task.cluster}; the process exits if it has not "
+          f"assembled within timeout={timeout} s", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except RuntimeError as error:
         raise RuntimeError(
             f"cannot join the cluster: {error}. Create cnnpar.MultiWorker() at the top of your program, before "
             f"building any model or tensor (the `cnnpar` CLI does this for you).") from None
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _contain_keras_20585(model, element_spec):
