@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,7 +133,8 @@ def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epoc
         os.kill(worker_pid(launcher, 1), signal.SIGTERM)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == cluster.PREEMPTED_EXIT_CODE, output[-3000:]
-    assert "worker 1 was preempted: it saved a checkpoint and stopped; rerun with --resume to continue" in output
+    assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
+                     r"to continue", output)
     checkpoint = results / "checkpoints" / RUN
     assert (checkpoint / "checkpoint").exists()
     assert sorted(os.listdir(results / "checkpoints")) == [RUN]  # the other worker's copy is gone

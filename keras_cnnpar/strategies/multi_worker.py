@@ -1,6 +1,7 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
 import faulthandler
+import re
 import shutil
 import signal
 import sys
@@ -149,7 +150,8 @@ class MultiWorker(Strategy):
             return prepared.fit(self.distribute(train), validation_data=validation, callbacks=callbacks,
                                 shuffle=False, **fit_kwargs)
         except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as error:
-            lost = sorted({line.strip() for line in error.message.splitlines() if line.strip().startswith("/job:")})
+            own = f"/job:{self.task.type}/replica:0/task:{self.task.index}"
+            lost = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", error.message)) - {own})
             raise PeerLost(f"{self.task.type} {self.task.index}: training stopped because a peer failed or did not "
                            f"answer within timeout={self.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
                            f"({type(error).__name__})") from error
