@@ -27,6 +27,7 @@ def main():
     Examples:
       cnnpar train --model 2+2 --epochs 3                    # Single, embedded mnist-5k
       cnnpar train --strategy mirrored --devices 2           # sync data parallel
+      cnnpar train --strategy multi-worker --workers 2       # 2 worker processes on loopback
       cnnpar data kaggle --out data                          # Kaggle-format CSVs
       cnnpar train --data data/train.csv --results results
     """

@@ -197,6 +197,29 @@ def test_the_launcher_fails_with_the_dead_workers_error(tmp_path):
     assert "Error: worker 1 was killed by SIGKILL; its last output:" in output
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds. Received: timeout=0"),
+    ({"checkpoint_dir": 7}, TypeError, "checkpoint_dir must be a folder path or None. Received: checkpoint_dir=7"),
+    ({}, ValueError, "no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass cluster=<dict or JSON "
+                     "file>, or run `cnnpar train --strategy multi-worker --workers N` to start N workers on this "
+                     "machine. Received: TF_CONFIG=''"),
+    ({"cluster": 42}, TypeError, "cluster must be a TF_CONFIG-style dict or the path of a JSON file. "
+                                 "Received: cluster of type int"),
+    ({"cluster": "missing.json"}, ValueError, "cannot read cluster file missing.json: No such file or directory. "
+                                              "Received: cluster='missing.json'"),
+    ({"cluster": {"cluster": {"ps": ["localhost:1"]}, "task": {"type": "ps", "index": 0}}}, ValueError,
+     "TF_CONFIG: the cluster needs a 'worker' or 'chief' job. Received: jobs=['ps']"),
+    ({"cluster": {"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}}, ValueError,
+     "TF_CONFIG: job 'worker' must list 'host:port' addresses. Received: worker=['localhost']"),
+])
+def test_multi_worker_validates_its_arguments_before_joining(monkeypatch, tmp_path, kwargs, error, message):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as raised:
+        cnnpar.MultiWorker(**kwargs)
+    assert str(raised.value) == message
+
+
 @pytest.mark.parametrize("args, env, message", [
     (["--workers", "2", "--strategy", "mirrored"], {}, "--workers is for --strategy multi-worker. "
                                                        "Received: --strategy mirrored"),

@@ -1,6 +1,7 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
 import faulthandler
+import os
 import re
 import shutil
 import signal
@@ -88,6 +89,8 @@ class MultiWorker(Strategy):
         super().__init__(steps_per_execution=1)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise TypeError(f"checkpoint_dir must be a folder path or None. Received: checkpoint_dir={checkpoint_dir!r}")
         self.task = cluster_lib.Task.parse(cluster)
         self.is_chief = self.task.is_chief
         self.checkpoint_dir = checkpoint_dir
