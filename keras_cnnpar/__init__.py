@@ -28,6 +28,7 @@ _EXPORTS = {
     "DataParallel": "keras_cnnpar.strategies",
     "LayerPlacement": "keras_cnnpar.strategies",
     "MultiWorker": "keras_cnnpar.strategies",
+    "AsyncPS": "keras_cnnpar.strategies",
 }
 _SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "serving", "strategies", "training")
 

@@ -129,6 +129,9 @@ class RunLogger(keras.callbacks.Callback):
         self._epochs.append(row)
         metrics = " ".join(f"{k}={row[k]:.4f}" for k in ("loss", "accuracy", "val_loss", "val_accuracy") if k in row)
         self._log(f"epoch {epoch + 1}/{self.info.epochs} {metrics} images_per_second={row['images_per_second']}")
+        if row.get("lost_workers"):
+            self._log(f"event epoch {epoch + 1}: {int(row['lost_workers'])} worker(s) lost; "
+                      f"their steps ran again on the others")
 
     def on_train_end(self, logs=None):
         self._close()

@@ -38,23 +38,31 @@ def main():
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
 @click.option("--strategy", "strategy_name", default="single", show_default=True,
               help="single (one device), mirrored (sync data parallel on MirroredStrategy), multi-worker "
-                   "(sync data parallel across processes, see --workers) or layers (layers placed on "
-                   "devices, see --microbatches).")
+                   "(sync data parallel across processes, see --workers), async-ps (asynchronous parameter "
+                   "servers, see --workers, --ps, --cluster) or layers (layers placed on devices, see "
+                   "--microbatches).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="For --strategy layers: micro-batches per batch, pipelined across the stages (default 1).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="For --strategy multi-worker: start this many worker processes on this machine. Without it, "
-                   "this process is one worker of the cluster in TF_CONFIG.")
+              help="For multi-worker: start this many worker processes on this machine (without it, this process "
+                   "is one worker of the cluster in TF_CONFIG). For async-ps: workers of the in-process cluster "
+                   "(default 2).")
+@click.option("--ps", type=click.IntRange(min=1), default=None,
+              help="For async-ps: parameter servers of the in-process cluster (default 1).")
+@click.option("--cluster", "cluster_spec", type=click.Path(dir_okay=False), default=None,
+              help="For async-ps: JSON spec of running servers, as `cnnpar cluster start` writes it. "
+                   "For multi-worker: a TF_CONFIG JSON file instead of the variable.")
 @click.option("--resume", is_flag=True, default=None,
               help="For multi-worker: continue a preempted run from its checkpoint.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
               help="For multi-worker: folder of the preemption checkpoints. Default: RESULTS/checkpoints.")
 @click.option("--collective-timeout", "timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For multi-worker: seconds a worker waits for its peers, at the start and in every "
-                   "all-reduce, before failing (default 60).")
+                   "all-reduce, before failing (default 60). For async-ps: seconds to wait for the servers of "
+                   "--cluster to answer (default 30).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")
@@ -64,8 +72,9 @@ def main():
               help="tensorflow-datasets data_dir, for --data tfds:NAME.")
 @click.option("--validation-fraction", type=click.FloatRange(0, 1, max_open=True), default=0.2,
               show_default=True, help="Share of each class held out for validation (stratified).")
-@click.option("--scale-lr", type=click.Choice(["none", "linear", "sqrt"]), default="none", show_default=True,
-              help="Scale the learning rate by the number of replicas (linear) or its square root.")
+@click.option("--scale-lr", type=click.Choice(["none", "linear", "sqrt"]), default=None,
+              help="Scale the learning rate by the number of replicas (linear) or its square root. "
+                   "Default: the strategy's (none; sqrt for async-ps).")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Folder of the per-epoch CSV, runs.csv and results.log.")
 @click.option("--no-log", is_flag=True, help="Write no result files.")
@@ -76,8 +85,8 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, microbatches, workers, resume, checkpoint_dir, timeout, epochs,
-          batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose, export_dir,
+def train(model_kind, strategy_name, devices, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
+          epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose, export_dir,
           export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
@@ -87,29 +96,34 @@ def train(model_kind, strategy_name, devices, microbatches, workers, resume, che
     (worker 0) writes files, and any worker's failure fails the command.
     """
     _quiet_tensorflow()
-    if workers is not None and strategy_name != "multi-worker":
-        raise click.BadParameter(f"--workers is for --strategy multi-worker. Received: --strategy {strategy_name}",
-                                 param_hint="--workers")
-    if workers is not None:
+    from keras_cnnpar import strategies
+
+    if workers is not None and strategy_name == "multi-worker":
         if not os.environ.get("TF_CONFIG"):
             return _launch_workers(workers)
         _check_worker_count(workers)
+        workers = None
+    elif workers is not None and not strategies.accepts(strategy_name, "workers"):
+        raise click.BadParameter(f"--workers is for --strategy multi-worker or async-ps. "
+                                 f"Received: --strategy {strategy_name}", param_hint="--workers")
     import time
 
     import keras
 
     from keras_cnnpar import data as data_lib
     from keras_cnnpar import devices as device_lib
-    from keras_cnnpar import models, strategies, training
+    from keras_cnnpar import models, training
 
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, "checkpoints")
     try:
-        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches, resume=resume,
-                                     checkpoint_dir=checkpoint_dir, timeout=timeout,
-                                     scale_lr=None if scale_lr == "none" else scale_lr)
+        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches, workers=workers,
+                                     ps=ps, cluster=cluster_spec, resume=resume, checkpoint_dir=checkpoint_dir,
+                                     timeout=timeout, scale_lr=scale_lr)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+    except ConnectionError as error:
+        raise click.ClickException(str(error)) from None
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
@@ -274,6 +288,61 @@ def predict(model_dir, test_csv, out):
     except data_lib.DataError as error:
         raise click.BadParameter(str(error), param_hint="--test") from None
     click.echo(f"wrote {out} ({rows} predictions)")
+
+
+@main.group("cluster")
+def cluster_group():
+    """Start and stop TensorFlow server processes for --strategy async-ps on this machine."""
+
+
+@cluster_group.command("start")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--ps", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--spec", "spec_path", type=click.Path(dir_okay=False), required=True,
+              help="JSON file to write: the cluster's addresses and the servers' process ids.")
+def cluster_start(workers, ps, spec_path):
+    """Start one server process per task on loopback and write their spec.
+
+    Train on them with `cnnpar train --strategy async-ps --cluster SPEC`; end
+    them with `cnnpar cluster stop --spec SPEC`.
+    """
+    from keras_cnnpar import cluster
+
+    try:
+        config = cluster.start_servers(workers, ps, spec_path)
+    except FileExistsError as error:
+        raise click.BadParameter(str(error), param_hint="--spec") from None
+    except ConnectionError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"started {workers} workers and {ps} parameter servers: {config['cluster']}; spec in {spec_path}")
+
+
+@cluster_group.command("stop")
+@click.option("--spec", "spec_path", type=click.Path(dir_okay=False), required=True,
+              help="The spec file `cnnpar cluster start` wrote.")
+def cluster_stop(spec_path):
+    """End the server processes of a spec file and remove it."""
+    from keras_cnnpar import cluster
+
+    try:
+        stopped = cluster.stop_servers(spec_path)
+    except FileNotFoundError as error:
+        raise click.BadParameter(str(error), param_hint="--spec") from None
+    click.echo(f"stopped {stopped} server processes; removed {spec_path}")
+
+
+@cluster_group.command("serve", hidden=True)
+@click.option("--cluster-json", required=True)
+@click.option("--job", required=True)
+@click.option("--index", type=int, required=True)
+def cluster_serve(cluster_json, job, index):
+    """Run one task's TensorFlow server (started by `cnnpar cluster start`)."""
+    _quiet_tensorflow()
+    import json
+
+    from keras_cnnpar.strategies import async_ps
+
+    async_ps.serve(json.loads(cluster_json), job, index)
 
 
 @main.group()

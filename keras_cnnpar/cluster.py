@@ -110,11 +110,7 @@ def _validated(config, source):
     if not isinstance(cluster, dict) or not cluster:
         raise ValueError(f"{source}: expected a 'cluster' map of job name to addresses. "
                          f"Received: cluster={cluster!r}")
-    for job, addresses in cluster.items():
-        if not isinstance(addresses, list) or not addresses or not all(
-                isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
-            raise ValueError(f"{source}: job {job!r} must list 'host:port' addresses. "
-                             f"Received: {job}={addresses!r}")
+    _check_addresses(cluster, source)
     if not any(job in cluster for job in TRAINING_JOBS):
         raise ValueError(f"{source}: the cluster needs a 'worker' or 'chief' job. Received: jobs={sorted(cluster)}")
     if not isinstance(task, dict) or task.get("type") not in cluster or not isinstance(task.get("index"), int):
@@ -124,6 +120,14 @@ def _validated(config, source):
         raise ValueError(f"{source}: task index {task['index']} is outside job {task['type']!r}, which has "
                          f"{len(cluster[task['type']])} tasks. Received: task={task!r}")
     return cluster, task["type"], task["index"]
+
+
+def _check_addresses(cluster, source):
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not addresses or not all(
+                isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
+            raise ValueError(f"{source}: job {job!r} must list 'host:port' addresses. "
+                             f"Received: {job}={addresses!r}")
 
 
 def free_ports(n):
@@ -138,9 +142,64 @@ def free_ports(n):
             s.close()
 
 
-def local_spec(workers, ports=None):
-    """A cluster of ``workers`` tasks on loopback, on ``ports`` (default: free ones)."""
-    return {"worker": [f"localhost:{port}" for port in ports or free_ports(workers)]}
+def local_spec(workers, ps=0, ports=None):
+    """A cluster of ``workers`` worker tasks and ``ps`` parameter servers on loopback, on ``ports`` (default: free)."""
+    addresses = [f"localhost:{port}" for port in ports or free_ports(workers + ps)]
+    return {"worker": addresses[:workers], **({"ps": addresses[workers:]} if ps else {})}
+
+
+def parse_spec(cluster, jobs=("worker", "ps")):
+    """The jobs map of ``cluster``: a ``TF_CONFIG``-style dict, a bare jobs map, or the path of a JSON file
+    holding either. It must have every job in ``jobs``.
+
+    >>> parse_spec({"worker": ["localhost:2222"], "ps": ["localhost:2223"]})
+    {'worker': ['localhost:2222'], 'ps': ['localhost:2223']}
+    >>> parse_spec({"worker": ["localhost:2222"]})
+    Traceback (most recent call last):
+    ValueError: cluster: expected the jobs ['worker', 'ps']. Received: jobs=['worker']
+    """
+    source = "cluster"
+    if isinstance(cluster, (str, Path)):
+        source = str(cluster)
+        try:
+            cluster = _json(Path(cluster).read_text(encoding="utf-8"), source)
+        except OSError as error:
+            raise ValueError(f"cannot read cluster file {source}: {error.strerror}. "
+                             f"Received: cluster={source!r}") from None
+    if not isinstance(cluster, dict):
+        raise TypeError(f"cluster must be a dict, a tf.train.ClusterSpec or the path of a JSON file. "
+                        f"Received: cluster of type {type(cluster).__name__}")
+    spec = cluster.get("cluster", cluster)
+    if not isinstance(spec, dict) or not all(job in spec for job in jobs):
+        raise ValueError(f"{source}: expected the jobs {list(jobs)}. "
+                         f"Received: jobs={sorted(spec) if isinstance(spec, dict) else spec!r}")
+    _check_addresses(spec, source)
+    return spec
+
+
+def unreachable(spec):
+    """The ``job:index`` names of the tasks of ``spec`` that refuse TCP connections now."""
+    return [f"{job}:{index}" for job, addresses in spec.items() for index, address in enumerate(addresses)
+            if not _answers(address)]
+
+
+def wait_reachable(spec, timeout):
+    """Wait until every task of ``spec`` accepts TCP connections; raise ``ConnectionError`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while lost := unreachable(spec):
+        if time.monotonic() > deadline:
+            raise ConnectionError(f"cannot reach {', '.join(lost)} of the cluster {spec} within {timeout} s; start "
+                                  f"the servers (cnnpar cluster start) or check the spec")
+        time.sleep(0.2)
+
+
+def _answers(address):
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
@@ -225,3 +284,69 @@ def _tail(path, lines=20):
     if not path.exists():
         return ""
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+
+def start_servers(workers, ps, spec_path, *, timeout=60):
+    """Start one TensorFlow server process per task on loopback, wait until all answer, write their spec.
+
+    The spec file holds ``{"cluster": {...}, "pids": {...}}``, written atomically
+    once every server answers; ``AsyncPS(cluster=spec_path)`` connects to them and
+    :func:`stop_servers` ends them. An existing spec file is never overwritten.
+    Returns the spec.
+    """
+    spec_path = Path(spec_path)
+    if spec_path.exists():
+        raise FileExistsError(f"{spec_path} exists: stop its servers first (cnnpar cluster stop --spec {spec_path}) "
+                              f"or choose another path. Received: spec={str(spec_path)!r}")
+    spec = local_spec(workers, ps)
+    processes = {job: [] for job in spec}
+    try:
+        for job, addresses in spec.items():
+            for index in range(len(addresses)):
+                processes[job].append(subprocess.Popen(
+                    [sys.executable, "-m", "keras_cnnpar.cli", "cluster", "serve", "--cluster-json", json.dumps(spec),
+                     "--job", job, "--index", str(index)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        wait_reachable(spec, timeout)
+    except BaseException:
+        for process in (p for job in processes.values() for p in job):
+            process.kill()
+            process.wait()
+        raise
+    config = {"cluster": spec, "pids": {job: [p.pid for p in started] for job, started in processes.items()}}
+    partial = spec_path.with_name(f".{spec_path.name}.partial")
+    partial.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, spec_path)
+    return config
+
+
+def stop_servers(spec_path, *, grace_seconds=5):
+    """End the server processes that :func:`start_servers` recorded in ``spec_path``, then remove the file.
+
+    Only processes that are still ``cnnpar cluster serve`` servers are signalled.
+    Returns how many were running.
+    """
+    spec_path = Path(spec_path)
+    if not spec_path.exists():
+        raise FileNotFoundError(f"{spec_path} does not exist. Received: spec={str(spec_path)!r}")
+    pids = json.loads(spec_path.read_text(encoding="utf-8")).get("pids", {})
+    running = [pid for job in pids.values() for pid in job if _is_server(pid)]
+    for pid in running:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while any(_is_server(pid) for pid in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in running:
+        if _is_server(pid):
+            os.kill(pid, signal.SIGKILL)
+    spec_path.unlink()
+    return len(running)
+
+
+def _is_server(pid):
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return status != "Z" and b"keras_cnnpar.cli" in command and b"serve" in command

@@ -16,6 +16,7 @@ True
 """
 
 import keras
+from keras import tree
 
 
 def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model):
@@ -69,3 +70,17 @@ def _scaled_optimizer(optimizer, factor):
                          f"to keep a schedule. Received: learning_rate={learning_rate!r}")
     config["config"]["learning_rate"] = learning_rate * factor
     return config
+
+
+def build_compiled_state(model, element_spec, scope):
+    """Build ``model``'s compiled loss and metrics for batches like ``element_spec``, inside ``scope``.
+
+    Keras builds them on the first batch it sees; strategies that cannot let it
+    (their variables must exist before training, under the strategy) build them
+    here from the dataset's element spec instead.
+    """
+    def symbolic(spec):
+        return keras.KerasTensor(spec.shape, spec.dtype.name)
+
+    with scope:
+        model._symbolic_build(data_batch=tree.map_structure(symbolic, element_spec))

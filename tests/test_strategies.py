@@ -14,7 +14,7 @@ def one_step(model, x, y, strategy):
 
 
 def test_aliases_resolve_to_strategy_objects():
-    assert strategies.names() == ["layers", "mirrored", "multi-worker", "single"]
+    assert strategies.names() == ["async-ps", "layers", "mirrored", "multi-worker", "single"]
     assert repr(strategies.resolve("single")) == "<Single devices=1>"
     assert repr(strategies.resolve("mirrored")) == "<DataParallel devices=2 scale_lr=None>"
     strategy = cnnpar.DataParallel(devices=2)
@@ -22,13 +22,13 @@ def test_aliases_resolve_to_strategy_objects():
 
 
 def test_unknown_alias_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['layers', 'mirrored', 'multi-worker', 'single'\]. "
+    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['async-ps', 'layers', 'mirrored', 'multi-worker', 'single'\]. "
                                          r"Received: strategy='horovod'$"):
         strategies.resolve("horovod")
 
 
 def test_strategy_of_the_wrong_type_is_a_type_error():
-    with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['layers', "
+    with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['async-ps', 'layers', "
                                         r"'mirrored', 'multi-worker', 'single'\]. Received: strategy=2 of type int$"):
         strategies.resolve(2)
 

@@ -2,14 +2,15 @@
 
 >>> from keras_cnnpar import strategies
 >>> strategies.names()
-['layers', 'mirrored', 'multi-worker', 'single']
+['async-ps', 'layers', 'mirrored', 'multi-worker', 'single']
 """
 
+from keras_cnnpar.strategies.async_ps import AsyncPS
 from keras_cnnpar.strategies.base import Strategy, accepts, create, names, register, resolve
 from keras_cnnpar.strategies.mirrored import DataParallel
 from keras_cnnpar.strategies.multi_worker import MultiWorker, PeerLost, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 
-__all__ = ["DataParallel", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy", "accepts",
+__all__ = ["AsyncPS", "DataParallel", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy", "accepts",
            "create", "names", "register", "resolve"]

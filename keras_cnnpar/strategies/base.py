@@ -13,7 +13,7 @@ Strings name strategies through a small registry:
 <Single devices=1>
 >>> resolve("nope")
 Traceback (most recent call last):
-ValueError: unknown strategy 'nope'; valid names are ['layers', 'mirrored', 'multi-worker', 'single']. Received: strategy='nope'
+ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'layers', 'mirrored', 'multi-worker', 'single']. Received: strategy='nope'
 """
 
 import contextlib
@@ -88,7 +88,8 @@ def check_devices(devices):
 
 
 def check_scale_lr(scale_lr):
-    """Validate a ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None``."""
+    """Validate a ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None`` (also spelled ``"none"``)."""
+    scale_lr = None if scale_lr == "none" else scale_lr
     if scale_lr not in SCALE_LR:
         raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={scale_lr!r}")
     return scale_lr

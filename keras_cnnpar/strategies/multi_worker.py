@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar import models
+from keras_cnnpar import models, rebuild
 from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
 
 
@@ -205,11 +205,7 @@ def _contain_keras_20585(model, element_spec):
 
     Only the attributes of this instance change; Keras's classes stay as they are.
     """
-    def symbolic(spec):
-        return keras.KerasTensor(spec.shape, spec.dtype.name)
-
-    with model.distribute_strategy.scope():
-        model._symbolic_build(data_batch=tf.nest.map_structure(symbolic, element_spec))
+    rebuild.build_compiled_state(model, element_spec, model.distribute_strategy.scope())
     model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
     model.train_step = _logs_as_vectors(model.train_step)
     model.test_step = _logs_as_vectors(model.test_step)

@@ -1,0 +1,267 @@
+"""Asynchronous parameter-server training: ``ParameterServerStrategy`` + ``ClusterCoordinator``."""
+
+import functools
+import json
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_cnnpar import cluster as cluster_lib
+from keras_cnnpar import rebuild
+from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+
+@register("async-ps")
+class AsyncPS(Strategy):
+    """Asynchronous data parallel: workers update variables held by parameter servers, without waiting.
+
+    The model's variables live on the parameter servers, whole, spread
+    round-robin over them when ``ps > 1`` (splitting a variable with a
+    ``variable_partitioner`` fails in Keras 3's optimizer:
+    "ShardedVariable doesn't support being used as a reference"). This process is the coordinator: it schedules groups
+    of ``steps_per_execution`` training steps with ``ClusterCoordinator``, and
+    whichever worker is free runs the next group on its own stream of batches
+    and applies its gradients at once. Each step uses the whole ``batch_size``
+    on one worker; an epoch is the usual number of steps, spread over the workers.
+
+    **What async means.** A worker's gradient was computed from weights that
+    other workers may have updated since (its *staleness*). The loss curve is
+    therefore noisier than under synchronous training, and too large a learning
+    rate diverges sooner. With N workers, the learning rate is scaled by √N by
+    default (``scale_lr="sqrt"``); pass ``scale_lr=None`` to keep it. Each epoch
+    row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
+    other updates landed between a step reading the weights and its gradient
+    being ready to apply), and ``steps_applied`` (counted on the parameter
+    servers), ``lost_workers`` (workers that no longer answer at the epoch's
+    end; their unfinished steps ran again on the others). ``loss`` is the mean
+    of the steps' losses. Smooth the loss curve (e.g. a moving average)
+    before comparing it with a synchronous run.
+
+    ``cluster=None`` starts a local in-process cluster of TensorFlow gRPC
+    servers on loopback (each worker with ``inter_op_parallelism_threads >=
+    workers + 1``, without which the cluster hangs). Otherwise the strategy
+    connects to running servers, e.g. from ``cnnpar cluster start``; servers
+    that cannot be reached within ``timeout`` seconds are an error.
+
+    Validation runs once per epoch on the coordinator, on a copy of the
+    current weights.
+
+    Create the strategy at the top of the program: this process connects to
+    the cluster as its coordinator, and models built before that cannot be
+    read afterwards. The connection lasts for the rest of the process.
+
+    Example (in-process cluster):
+
+    >>> import keras_cnnpar as cnnpar
+    >>> strategy = cnnpar.AsyncPS(workers=2, ps=1)    # doctest: +SKIP
+    >>> model = cnnpar.models.cnn("2+2")              # doctest: +SKIP
+    >>> digits = cnnpar.data.load()                   # doctest: +SKIP
+    >>> history = model.fit(digits.x, digits.y, batch_size=64, epochs=3,
+    ...                     strategy=strategy)        # doctest: +SKIP
+
+    Args:
+        workers: worker tasks of the in-process cluster (ignored with ``cluster``).
+        ps: parameter servers of the in-process cluster (ignored with ``cluster``).
+        cluster: None for an in-process cluster; else a ``TF_CONFIG``-style
+            dict, a jobs map, a ``tf.train.ClusterSpec`` or the path of a JSON
+            file, with ``worker`` and ``ps`` jobs.
+        scale_lr: ``"sqrt"`` (default), ``"linear"`` or ``None``.
+        steps_per_execution: training steps per scheduled function (default 8).
+        timeout: seconds to wait for the servers of ``cluster`` to answer.
+    """
+
+    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr="sqrt", steps_per_execution=8, timeout=30):
+        super().__init__(steps_per_execution=steps_per_execution)
+        for name, value in (("workers", workers), ("ps", ps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
+        if isinstance(cluster, tf.train.ClusterSpec):
+            cluster = cluster.as_dict()
+        self.spec = None if cluster is None else cluster_lib.parse_spec(cluster)
+        self.workers = len(self.spec["worker"]) if self.spec else workers
+        self.ps = len(self.spec["ps"]) if self.spec else ps
+        self.scale_lr = check_scale_lr(scale_lr)
+        self.timeout = timeout
+        self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
+        cluster_lib.wait_reachable(self.cluster, timeout)
+        self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True))
+
+    @property
+    def devices(self):
+        return self.workers
+
+    @property
+    def num_replicas(self):
+        return self.workers
+
+    @property
+    def local_devices(self):
+        return 1
+
+    def __repr__(self):
+        where = "in-process" if self.spec is None else "external"
+        return f"<AsyncPS workers={self.workers} ps={self.ps} cluster={where} scale_lr={self.scale_lr}>"
+
+    def _tf_strategy(self):
+        return self._strategy
+
+    def report(self):
+        return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
+                f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
+                f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})\n"
+                + "\n".join(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
+                            for task, (count, size) in sorted(self._held.items())))
+
+    def prepare(self, model):
+        prepared = super().prepare(model)
+        with self.scope():
+            prepared.optimizer.build(prepared.trainable_variables)
+        self._held = _bytes_per_task(prepared.weights)
+        return prepared
+
+    def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, **unsupported):
+        if unsupported:
+            raise ValueError(f"AsyncPS does not support the fit arguments {sorted(unsupported)}. "
+                             f"Received: {unsupported}")
+        steps = steps_per_epoch or _finite_steps(train)
+        rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
+        loop = _AsyncLoop(self, prepared, train.repeat(), self.steps_per_execution)
+        evaluator = _evaluator(prepared) if validation_data is not None else None
+        callback_list = keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
+            model=prepared)
+        prepared.stop_training = False
+        callback_list.on_train_begin()
+        for epoch in range(initial_epoch, epochs):
+            callback_list.on_epoch_begin(epoch)
+            callback_list.on_train_batch_begin(0)
+            logs = loop.run_epoch(steps)
+            callback_list.on_train_batch_end(steps - 1, logs)
+            if evaluator is not None:
+                evaluator.set_weights(prepared.get_weights())
+                logs.update(_validate(evaluator, validation_data, validation_steps, callback_list))
+            callback_list.on_epoch_end(epoch, logs)
+            if prepared.stop_training:
+                break
+        callback_list.on_train_end()
+        return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+
+
+class _AsyncLoop:
+    """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness."""
+
+    def __init__(self, strategy, model, dataset, steps_per_group):
+        self.tf_strategy, self.coordinator = strategy._tf_strategy(), strategy.coordinator
+        self.workers = {"worker": strategy.cluster["worker"]}
+        self.model, self.steps_per_group = model, steps_per_group
+        with self.tf_strategy.scope():
+            self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
+        self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset))
+
+    def run_epoch(self, steps):
+        self.model.reset_metrics()
+        applied_before = int(self.applied.numpy())
+        groups = [self.steps_per_group] * (steps // self.steps_per_group)
+        groups += [steps % self.steps_per_group] if steps % self.steps_per_group else []
+        results = [self.coordinator.schedule(self._group(size), args=(self.iterator,)) for size in groups]
+        self.coordinator.join()
+        loss, staleness = np.concatenate([r.fetch() for r in results]).T
+        logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
+        return {**logs, "loss": float(loss.mean()), "staleness_mean": float(staleness.mean()),
+                "staleness_max": float(staleness.max()),
+                "steps_applied": float(int(self.applied.numpy()) - applied_before),
+                "lost_workers": float(len(cluster_lib.unreachable(self.workers)))}
+
+    @functools.cache
+    def _group(self, size):
+        model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
+
+        def one_step(batch):
+            x, y = batch
+            seen = applied.read_value()  # updates applied before this step reads the weights
+            with tf.control_dependencies([seen]), tf.GradientTape() as tape:
+                y_pred = model(x, training=True)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+            variables = model.trainable_variables
+            gradients = tape.gradient(loss, variables)
+            model.optimizer.apply_gradients(zip(gradients, variables))
+            model.compute_metrics(x, y, y_pred)
+            with tf.control_dependencies(gradients):
+                staleness = applied.assign_add(1) - 1 - seen
+            return tf.stack([loss, tf.cast(staleness, loss.dtype)])
+
+        @tf.function
+        def group(iterator):
+            return tf.stack([tf_strategy.run(one_step, args=(next(iterator),)) for _ in range(size)])
+
+        return group
+
+
+def _bytes_per_task(variables):
+    """``{task: (variable count, bytes)}`` of where ``variables`` live."""
+    held = {}
+    for variable in variables:
+        spec = tf.DeviceSpec.from_string(variable.value.device)
+        count, size = held.get(f"{spec.job}:{spec.task}", (0, 0))
+        held[f"{spec.job}:{spec.task}"] = (count + 1, size + variable.value.dtype.size * math.prod(variable.shape))
+    return held
+
+
+def _finite_steps(dataset):
+    steps = int(dataset.cardinality())
+    if steps < 1:
+        raise ValueError("AsyncPS needs the steps of an epoch: give steps_per_epoch, or a finite dataset. "
+                         f"Received: a dataset of cardinality {steps}")
+    return steps
+
+
+def _evaluator(prepared):
+    """A local copy of ``prepared``, compiled alike, that evaluates the current weights on the coordinator."""
+    copy = keras.models.clone_model(prepared)
+    config = prepared.get_compile_config()
+    config["steps_per_execution"] = 1
+    copy.compile_from_config(config)
+    return copy
+
+
+def _validate(evaluator, validation_data, validation_steps, callback_list):
+    callback_list.on_test_begin()
+    results = evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
+    callback_list.on_test_end(results)
+    return {f"val_{name}": float(value) for name, value in results.items()}
+
+
+@functools.cache
+def _in_process_cluster(workers, ps):
+    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this process, once; return their spec."""
+    spec = cluster_lib.local_spec(workers, ps)
+    cluster_spec = tf.train.ClusterSpec(spec)
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=workers + 1)
+    _in_process_cluster.servers = [
+        *(tf.distribute.Server(cluster_spec, job_name="worker", task_index=i, config=config, protocol="grpc")
+          for i in range(workers)),
+        *(tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, protocol="grpc") for i in range(ps)),
+    ]
+    return spec
+
+
+@functools.cache
+def _connect(spec_json):
+    """Connect this process to the cluster as its coordinator; one connection per cluster and process."""
+    spec = json.loads(spec_json)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks
+    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+
+def serve(cluster, job, index):
+    """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until the process ends."""
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
+        if job == "worker" else None
+    tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, config=config,
+                         protocol="grpc").join()

@@ -1,0 +1,145 @@
+"""AsyncPS: ParameterServerStrategy + ClusterCoordinator, on an in-process cluster and on real server processes.
+
+A coordinator stays connected to its cluster for the rest of its process, so
+training runs in `cnnpar train` subprocesses; argument and reachability errors
+come before any connection and are checked here. Every test bounds its
+processes' time and ends the servers it started.
+"""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import cluster
+from tests.test_multi_worker import ENV, epoch_column, processes, wait_for_epoch_rows
+
+RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_async-ps_2dev"
+
+
+def cnnpar_command(*args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", *args]
+
+
+def train(tmp_path, *args, timeout=400):
+    command = cnnpar_command("train", "--verbose", "2", "--results", "results", *args)
+    result = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def rows(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_in_process_cluster_reaches_single_accuracy_within_3_points(tmp_path):
+    train(tmp_path, "--strategy", "single", "--epochs", "3")
+    train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "1", "--epochs", "3")
+    single, async_ps = rows(tmp_path / "results" / "runs.csv")
+    assert abs(float(async_ps["val_accuracy"]) - float(single["val_accuracy"])) <= 0.03, (single, async_ps)
+    assert float(async_ps["speedup"]) > 0
+    epochs = rows(tmp_path / "results" / f"{RUN}.csv")
+    assert [int(e["epoch"]) for e in epochs] == [1, 2, 3]
+    for epoch in epochs:
+        assert float(epoch["steps_applied"]) == 63.0  # 4,000 images at batch 64, each step applied once
+        assert float(epoch["staleness_max"]) >= float(epoch["staleness_mean"]) >= 0.0
+        assert float(epoch["lost_workers"]) == 0.0
+    log = (tmp_path / "results" / "results.log").read_text()
+    assert "layout async-ps: 2 workers, 1 parameter servers (in-process cluster" in log
+    assert "learning rate x1.41 (scale_lr=sqrt)" in log
+
+
+def test_two_parameter_servers_share_the_variables_and_the_model_exports(tmp_path):
+    train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "2", "--epochs", "1", "--export", "models")
+    log = (tmp_path / "results" / "results.log").read_text()
+    held = dict(re.findall(r"layout (ps:\d) holds (\d+) model variables", log))
+    assert sorted(held) == ["ps:0", "ps:1"] and sum(map(int, held.values())) == 8, log
+    assert (tmp_path / "models" / "1" / "saved_model.pb").exists()
+
+
+def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path):
+    spec = tmp_path / "cluster.json"
+    started = subprocess.run(cnnpar_command("cluster", "start", "--workers", "2", "--ps", "1", "--spec", str(spec)),
+                             env=ENV, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    pids = json.loads(spec.read_text())["pids"]
+    try:
+        command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "3",
+                                 "--verbose", "2", "--results", "results")
+        with processes([command], tmp_path, [ENV]) as (coordinator,):
+            wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, coordinator)
+            os.kill(pids["worker"][1], signal.SIGKILL)
+            output = coordinator.communicate(timeout=300)[0]
+        assert coordinator.returncode == 0, output[-3000:]
+        epochs = rows(tmp_path / "results" / f"{RUN}.csv")
+        assert epoch_column(tmp_path / "results" / f"{RUN}.csv") == [1, 2, 3]
+        assert [float(e["lost_workers"]) for e in epochs][1:] == [1.0, 1.0]
+        assert float(epochs[-1]["val_accuracy"]) >= 0.9
+        assert "event epoch 2: 1 worker(s) lost; their steps ran again on the others" in \
+            (tmp_path / "results" / "results.log").read_text()
+    finally:
+        stopped = subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(spec)), env=ENV,
+                                 capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped 2 server processes" in stopped.stdout  # the killed worker was already gone
+    assert not spec.exists()
+    assert not any(cluster._is_server(pid) for job in pids.values() for pid in job)
+
+
+def test_cluster_commands_refuse_to_overwrite_or_guess_a_spec(tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text("{}")
+    result = subprocess.run(cnnpar_command("cluster", "start", "--spec", str(spec)), env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{spec} exists: stop its servers first" in " ".join(result.stderr.split())
+    assert spec.read_text() == "{}"
+    result = subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(tmp_path / "none.json")), env=ENV,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "none.json does not exist." in result.stderr
+
+
+def test_an_unreachable_cluster_fails_within_the_timeout():
+    spec = cluster.local_spec(workers=1, ps=1)  # free ports, no servers
+    started = time.monotonic()
+    with pytest.raises(ConnectionError) as raised:
+        cnnpar.AsyncPS(cluster=spec, timeout=2)
+    assert time.monotonic() - started < 10
+    assert str(raised.value) == (f"cannot reach worker:0, ps:0 of the cluster {spec} within 2 s; start the servers "
+                                 f"(cnnpar cluster start) or check the spec")
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"workers": 0}, ValueError, "workers must be a positive int. Received: workers=0"),
+    ({"ps": "1"}, ValueError, "ps must be a positive int. Received: ps='1'"),
+    ({"timeout": -1}, ValueError, "timeout must be a positive number of seconds. Received: timeout=-1"),
+    ({"scale_lr": "cubic"}, ValueError, "scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr='cubic'"),
+    ({"cluster": 42}, TypeError, "cluster must be a dict, a tf.train.ClusterSpec or the path of a JSON file. "
+                                 "Received: cluster of type int"),
+    ({"cluster": {"worker": ["localhost:1"]}}, ValueError,
+     "cluster: expected the jobs ['worker', 'ps']. Received: jobs=['worker']"),
+    ({"cluster": "missing.json"}, ValueError,
+     "cannot read cluster file missing.json: No such file or directory. Received: cluster='missing.json'"),
+])
+def test_async_ps_validates_its_arguments_before_connecting(monkeypatch, tmp_path, kwargs, error, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error) as raised:
+        cnnpar.AsyncPS(**kwargs)
+    assert str(raised.value) == message
+
+
+def test_a_malformed_spec_file_names_the_line(tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_text('{"cluster": {"worker": ["localhost:1"],\n "ps": [localhost:2]}}')
+    with pytest.raises(ValueError) as raised:
+        cnnpar.AsyncPS(cluster=str(spec))
+    assert str(raised.value).startswith(f"{spec}: expected JSON, line 2 column 9: Expecting value. Received: ")
