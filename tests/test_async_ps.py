@@ -94,6 +94,38 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     assert not any(cluster._is_server(pid) for job in pids.values() for pid in job)
 
 
+def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path):
+    spec, results = tmp_path / "cluster.json", tmp_path / "results"
+    command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "3",
+                             "--verbose", "2", "--results", "results")
+    start = cnnpar_command("cluster", "start", "--spec", str(spec))
+    stop = cnnpar_command("cluster", "stop", "--spec", str(spec))
+    try:
+        subprocess.run(start, env=ENV, check=True, capture_output=True, timeout=120)
+        with processes([command], tmp_path, [ENV]) as (coordinator,):
+            wait_for_epoch_rows(results / f"{RUN}.csv", 1, coordinator)
+            os.kill(json.loads(spec.read_text())["pids"]["ps"][0], signal.SIGKILL)
+            killed = time.monotonic()
+            output = coordinator.communicate(timeout=120)[0]
+            waited = time.monotonic() - killed
+        assert coordinator.returncode == 1, output[-3000:]
+        assert waited < 60
+        checkpoint = f"results/checkpoints/{RUN}"
+        assert re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch \d: its variables are gone; the "
+                         rf"checkpoint after epoch \d is in {checkpoint}; restart the servers and rerun with "
+                         r"resume=True \(cnnpar train --resume\)", output), output[-3000:]
+        subprocess.run(stop, env=ENV, check=True, capture_output=True, timeout=60)
+        subprocess.run(start, env=ENV, check=True, capture_output=True, timeout=120)
+        resumed = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                                 timeout=400)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    finally:
+        subprocess.run(stop, env=ENV, capture_output=True, timeout=60)
+    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
+    assert re.search(rf"layout resumed from {checkpoint} after epoch \d", (results / "results.log").read_text())
+    assert not (results / "checkpoints").exists()
+
+
 def test_cluster_commands_refuse_to_overwrite_or_guess_a_spec(tmp_path):
     spec = tmp_path / "cluster.json"
     spec.write_text("{}")

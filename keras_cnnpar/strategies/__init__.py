@@ -6,9 +6,9 @@
 """
 
 from keras_cnnpar.strategies.async_ps import AsyncPS
-from keras_cnnpar.strategies.base import Strategy, accepts, create, names, register, resolve
+from keras_cnnpar.strategies.base import PeerLost, Strategy, accepts, create, names, register, resolve
 from keras_cnnpar.strategies.mirrored import DataParallel
-from keras_cnnpar.strategies.multi_worker import MultiWorker, PeerLost, Preempted
+from keras_cnnpar.strategies.multi_worker import MultiWorker, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 

@@ -3,14 +3,15 @@
 import functools
 import json
 import math
+from pathlib import Path
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar import rebuild
-from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+from keras_cnnpar import checkpoints, models, rebuild
+from keras_cnnpar.strategies.base import PeerLost, Strategy, check_scale_lr, register
 
 @register("async-ps")
 class AsyncPS(Strategy):
@@ -45,7 +46,11 @@ class AsyncPS(Strategy):
     that cannot be reached within ``timeout`` seconds are an error.
 
     Validation runs once per epoch on the coordinator, on a copy of the
-    current weights.
+    current weights. After every epoch a checkpoint of the model, its optimizer
+    and the epoch is written (atomically) under ``checkpoint_dir``. A worker
+    that dies leaves its steps to the others; a parameter server that dies
+    ends the run with ``PeerLost``, naming it, and ``resume=True`` continues
+    from the last checkpoint once the servers are back.
 
     Create the strategy at the top of the program: this process connects to
     the cluster as its coordinator, and models built before that cannot be
@@ -69,9 +74,14 @@ class AsyncPS(Strategy):
         scale_lr: ``"sqrt"`` (default), ``"linear"`` or ``None``.
         steps_per_execution: training steps per scheduled function (default 8).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
+        checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
+            run configuration); None turns them off.
+        resume: continue from the checkpoint of an interrupted run, if there is
+            one. Without it, an existing checkpoint is an error.
     """
 
-    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr="sqrt", steps_per_execution=8, timeout=30):
+    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr="sqrt", steps_per_execution=8, timeout=30,
+                 checkpoint_dir="checkpoints", resume=False):
         super().__init__(steps_per_execution=steps_per_execution)
         for name, value in (("workers", workers), ("ps", ps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -85,6 +95,8 @@ class AsyncPS(Strategy):
         self.ps = len(self.spec["ps"]) if self.spec else ps
         self.scale_lr = check_scale_lr(scale_lr)
         self.timeout = timeout
+        self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
+        self._run = None
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
         cluster_lib.wait_reachable(self.cluster, timeout)
         self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True))
@@ -113,14 +125,28 @@ class AsyncPS(Strategy):
                 f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
                 f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})\n"
                 + "\n".join(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
-                            for task, (count, size) in sorted(self._held.items())))
+                            for task, (count, size) in sorted(self._held.items()))
+                + (f"\nresumed from {self._run.directory} after epoch {self._run.completed_epochs}"
+                   if self._run and self._run.completed_epochs else ""))
 
     def prepare(self, model):
         prepared = super().prepare(model)
         with self.scope():
             prepared.optimizer.build(prepared.trainable_variables)
         self._held = _bytes_per_task(prepared.weights)
+        if self.checkpoint_dir is not None:
+            directory = Path(self.checkpoint_dir) / models.run_file_name(prepared.name, self.alias, self.devices, "")
+            self._run = checkpoints.RunCheckpoint(prepared, directory, self.resume)
+            self._run.restore()
         return prepared
+
+    def resume_epoch(self, initial_epoch):
+        return max(initial_epoch, self._run.completed_epochs if self._run else 0)
+
+    def finalize(self, prepared, model):
+        super().finalize(prepared, model)
+        if self._run is not None:
+            self._run.remove()
 
     def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
@@ -139,16 +165,31 @@ class AsyncPS(Strategy):
         for epoch in range(initial_epoch, epochs):
             callback_list.on_epoch_begin(epoch)
             callback_list.on_train_batch_begin(0)
-            logs = loop.run_epoch(steps)
+            logs = self._run_epoch(loop, steps, epoch)
             callback_list.on_train_batch_end(steps - 1, logs)
             if evaluator is not None:
                 evaluator.set_weights(prepared.get_weights())
                 logs.update(_validate(evaluator, validation_data, validation_steps, callback_list))
             callback_list.on_epoch_end(epoch, logs)
+            if self._run is not None:
+                self._run.save(completed_epochs=epoch + 1)
             if prepared.stop_training:
                 break
         callback_list.on_train_end()
         return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+
+
+    def _run_epoch(self, loop, steps, epoch):
+        """One epoch of ``loop``; a lost parameter server becomes a ``PeerLost`` that says how to resume."""
+        try:
+            return loop.run_epoch(steps)
+        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as error:
+            lost = cluster_lib.unreachable({"ps": self.cluster["ps"]}) or ["a parameter server"]
+            saved = (f"the checkpoint after epoch {self._run.completed_epochs} is in {self._run.directory}; restart "
+                     f"the servers and rerun with resume=True (cnnpar train --resume)"
+                     if self._run and self._run.completed_epochs else "no epoch was checkpointed yet")
+            raise PeerLost(f"lost {', '.join(lost)} of the cluster {self.cluster} in epoch {epoch + 1}: "
+                           f"its variables are gone; {saved}. ({type(error).__name__})") from error
 
 
 class _AsyncLoop:

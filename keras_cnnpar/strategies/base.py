@@ -26,6 +26,10 @@ _REGISTRY = {}
 SCALE_LR = {"linear": lambda n: float(n), "sqrt": math.sqrt, None: lambda n: 1.0}
 
 
+class PeerLost(RuntimeError):
+    """Training stopped because another task of the cluster (a worker, a parameter server) failed or went silent."""
+
+
 def register(alias):
     """Class decorator: make ``alias`` a string name for the strategy class."""
 

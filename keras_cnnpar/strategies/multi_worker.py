@@ -3,7 +3,6 @@
 import faulthandler
 import os
 import re
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -12,8 +11,8 @@ import keras
 import tensorflow as tf
 
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar import models, rebuild
-from keras_cnnpar.strategies.base import Strategy, check_scale_lr, register
+from keras_cnnpar import checkpoints, models, rebuild
+from keras_cnnpar.strategies.base import PeerLost, Strategy, check_scale_lr, register
 
 
 class Preempted(SystemExit):
@@ -25,10 +24,6 @@ class Preempted(SystemExit):
 
     def __str__(self):
         return f"checkpoint saved in {self.checkpoint_dir}; rerun with resume=True (--resume) to continue"
-
-
-class PeerLost(RuntimeError):
-    """Training stopped because another worker failed or did not answer in time."""
 
 
 @register("multi-worker")
@@ -230,17 +225,12 @@ class _PreemptionCheckpoint:
     def __init__(self, strategy, task, prepared, directory, resume):
         self.directory = directory
         self.task = task
-        if not resume and directory.exists():
-            raise ValueError(f"{directory} holds the checkpoint of an interrupted run; pass resume=True "
-                             f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
-                             f"Received: resume=False")
-        self._epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
-        checkpoint = tf.train.Checkpoint(model=prepared, optimizer=prepared.optimizer, completed_epochs=self._epochs)
+        self._run = checkpoints.RunCheckpoint(prepared, directory, resume)
         self._sigterm = signal.getsignal(signal.SIGTERM)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
-        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-            strategy.cluster_resolver, checkpoint, str(directory), config)
-        self.completed_epochs = int(self._epochs.numpy())
+        self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(  # restores a checkpoint it finds
+            strategy.cluster_resolver, self._run.checkpoint, str(directory), config)
+        self.completed_epochs = self._run.completed_epochs
 
     def _exit(self):
         raise Preempted(self.directory)
@@ -253,7 +243,7 @@ class _PreemptionCheckpoint:
                 checkpoint._handler.save_checkpoint_if_preempted()
 
             def on_epoch_end(self, epoch, logs=None):
-                checkpoint._epochs.assign(epoch + 1)
+                checkpoint._run.epochs.assign(epoch + 1)
 
         return SaveIfPreempted()
 
@@ -263,9 +253,4 @@ class _PreemptionCheckpoint:
 
     def remove(self):
         """Delete this worker's checkpoint folder once the run completed (the chief's, or a temporary one)."""
-        folder = self.directory if self.task.is_chief else self.directory.parent / f"workertemp_{self.task.index}"
-        shutil.rmtree(folder, ignore_errors=True)
-        try:
-            self.directory.parent.rmdir()  # only when no other run's checkpoint is left in it
-        except OSError:
-            pass
+        self._run.remove(None if self.task.is_chief else self.directory.parent / f"workertemp_{self.task.index}")

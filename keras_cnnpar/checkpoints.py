@@ -1,0 +1,74 @@
+"""A run's checkpoint: the model, its optimizer and the completed epochs, in one folder.
+
+Strategies that outlive failures keep one per run configuration: ``MultiWorker``
+saves it on preemption, ``AsyncPS`` after every epoch. A run that completes
+removes it; a new run refuses to start over an existing one unless told to
+resume it, so no checkpoint is lost.
+
+Example:
+
+>>> import tempfile, keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> model.optimizer.build(model.trainable_variables)
+>>> folder = Path(tempfile.mkdtemp()) / "run"
+>>> RunCheckpoint(model, folder, resume=False).save(completed_epochs=2)
+>>> RunCheckpoint(model, folder, resume=True).restore()
+2
+"""
+
+import shutil
+from pathlib import Path
+
+import tensorflow as tf
+
+
+class RunCheckpoint:
+    """The checkpoint of one run in ``directory``: ``model``, its built optimizer and the completed epochs.
+
+    Args:
+        model: the (prepared) model whose variables are saved and restored.
+        directory: the run's folder; its parent may hold other runs' folders.
+        resume: allow an existing checkpoint (to restore it); without it, an
+            existing one is an error that says how to continue or start over.
+    """
+
+    def __init__(self, model, directory, resume):
+        self.directory = Path(directory)
+        if not resume and self.directory.exists():
+            raise ValueError(f"{self.directory} holds the checkpoint of an interrupted run; pass resume=True "
+                             f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
+                             f"Received: resume=False")
+        self.epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, completed_epochs=self.epochs)
+        self._manager = None
+
+    @property
+    def _absolute(self):
+        # Parameter servers write their variables' shards themselves, from their own working folder.
+        return str(self.directory.absolute())
+
+    @property
+    def completed_epochs(self):
+        return int(self.epochs.numpy())
+
+    def restore(self):
+        """Restore the latest checkpoint, if there is one; return the completed epochs (0 without one)."""
+        latest = tf.train.latest_checkpoint(self._absolute)
+        if latest:
+            self.checkpoint.restore(latest).assert_existing_objects_matched()
+        return self.completed_epochs
+
+    def save(self, completed_epochs):
+        """Write the checkpoint after ``completed_epochs``; the previous one goes once this one is complete."""
+        self.epochs.assign(completed_epochs)
+        if self._manager is None:
+            self._manager = tf.train.CheckpointManager(self.checkpoint, self._absolute, max_to_keep=1)
+        self._manager.save()
+
+    def remove(self, folder=None):
+        """Delete ``folder`` (default: the run's), and the parent folder when no other run is left in it."""
+        shutil.rmtree(folder or self.directory, ignore_errors=True)
+        try:
+            self.directory.parent.rmdir()
+        except OSError:
+            pass
