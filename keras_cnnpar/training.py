@@ -23,7 +23,7 @@ from keras_cnnpar import strategies
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
-        validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0,
+        validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0, resume=False,
         **fit_kwargs):
     """Train ``model`` under ``strategy`` and return a Keras ``History``, as ``model.fit`` does.
 
@@ -40,6 +40,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         model: a compiled Keras model.
         x, y: images and integer labels (numpy arrays), or a batched dataset as ``x``.
         strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``.
+        resume: continue an interrupted run from the strategy's checkpoint
+            (strategies that keep one: ``MultiWorker``, ``AsyncPS``); the same as
+            creating the strategy with ``resume=True``.
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         epochs, validation_data, validation_split, shuffle, callbacks, initial_epoch,
@@ -47,6 +50,11 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     """
     strategy = strategies.resolve(strategy)
     _check_model(model)
+    if resume:
+        if not hasattr(strategy, "resume"):
+            raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
+                             f"'multi-worker' and 'async-ps'. Received: resume={resume!r}")
+        strategy.resume = True
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
                                                 strategy)

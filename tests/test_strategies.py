@@ -149,3 +149,9 @@ def test_every_epoch_runs_exactly_one_pass_over_the_data(small_cnn, digits, stra
     model.fit(digits.x[:samples], digits.y[:samples], batch_size=batch_size, epochs=2, verbose=0,
               validation_data=(digits.x[:samples], digits.y[:samples]), strategy=strategy, results_dir=None)
     assert int(model.optimizer.iterations.numpy()) == 2 * -(-samples // batch_size)
+
+
+def test_resume_is_for_strategies_that_keep_a_checkpoint(small_cnn, digits):
+    with pytest.raises(ValueError, match=r"^strategy 'single' keeps no checkpoint to resume; resume is for "
+                                         r"'multi-worker' and 'async-ps'. Received: resume=True$"):
+        cnnpar.fit(small_cnn(), digits.x[:64], digits.y[:64], strategy="single", resume=True, results_dir=None)

@@ -24,7 +24,9 @@ class AsyncPS(Strategy):
     of ``steps_per_execution`` training steps with ``ClusterCoordinator``, and
     whichever worker is free runs the next group on its own stream of batches
     and applies its gradients at once. Each step uses the whole ``batch_size``
-    on one worker; an epoch is the usual number of steps, spread over the workers.
+    on one worker; an epoch is the usual number of steps, spread over the
+    workers. Every worker starts its stream at an offset of its own, so the
+    workers do not train on the same batch at the same time.
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
@@ -155,7 +157,7 @@ class AsyncPS(Strategy):
                              f"Received: {unsupported}")
         steps = steps_per_epoch or _finite_steps(train)
         rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
-        loop = _AsyncLoop(self, prepared, train.repeat(), self.steps_per_execution)
+        loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps), self.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
         callback_list = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
@@ -177,7 +179,6 @@ class AsyncPS(Strategy):
                 break
         callback_list.on_train_end()
         return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
-
 
     def _run_epoch(self, loop, steps, epoch):
         """One epoch of ``loop``; a lost parameter server becomes a ``PeerLost`` that says how to resume."""
@@ -250,6 +251,17 @@ def _bytes_per_task(variables):
         count, size = held.get(f"{spec.job}:{spec.task}", (0, 0))
         held[f"{spec.job}:{spec.task}"] = (count + 1, size + variable.value.dtype.size * math.prod(variable.shape))
     return held
+
+
+def _offset_on_each_worker(batches, window):
+    """``batches`` from an offset of its own on every worker, below ``window`` batches.
+
+    Every worker runs the same dataset graph, so with a seeded shuffle they would
+    all train on the same batch at the same time. Each worker skips a number of
+    batches read from its clock when its iterator starts.
+    """
+    clock = tf.data.Dataset.from_tensors(0).map(lambda _: tf.cast(tf.timestamp() * 1e6, tf.int64))
+    return clock.flat_map(lambda microseconds: batches.skip(microseconds % window))
 
 
 def _finite_steps(dataset):

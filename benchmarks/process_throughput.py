@@ -1,4 +1,4 @@
-"""Images/s of ``Single`` and of ``MultiWorker`` with 2 local worker processes, side by side.
+"""Images/s of ``Single``, ``MultiWorker`` (2 local worker processes) and ``AsyncPS`` (2 workers + 1 ps), side by side.
 
 Each configuration is one ``cnnpar train`` run of the 2+2 CNN on the 4,000/1,000
 mnist-5k split at global batch 64, in interleaved rounds so that machine noise
@@ -6,8 +6,9 @@ hits them alike. Its figure is the median of the per-epoch images/s in its CSV
 (training time up to validation) over the epochs after the first (tracing).
 The workers share this machine's cores; "1 thread each" sets
 TF_NUM_INTRAOP_THREADS=1 and TF_NUM_INTEROP_THREADS=2 in every worker.
+AsyncPS runs its in-process cluster (target on 2 cores: >= 0.8x Single).
 
-Run: python benchmarks/multi_worker_throughput.py [--epochs 4] [--rounds 2]
+Run: python benchmarks/process_throughput.py [--epochs 4] [--rounds 2]
 """
 
 import csv
@@ -24,6 +25,7 @@ CONFIGS = {
     "single": ["--strategy", "single"],
     "multi-worker(2)": ["--strategy", "multi-worker", "--workers", "2"],
     "multi-worker(2), 1 thread each": ["--strategy", "multi-worker", "--workers", "2"],
+    "async-ps(2 workers, 1 ps)": ["--strategy", "async-ps", "--workers", "2", "--ps", "1"],
 }
 THREADS = {"multi-worker(2), 1 thread each": {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}}
 
