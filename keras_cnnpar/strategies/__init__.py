@@ -12,5 +12,5 @@ from keras_cnnpar.strategies.multi_worker import MultiWorker, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 
-__all__ = ["AsyncPS", "DataParallel", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy", "accepts",
-           "create", "names", "register", "resolve"]
+__all__ = ["AsyncPS", "DataParallel", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy",
+           "accepts", "create", "names", "register", "resolve"]

@@ -85,7 +85,8 @@ class MultiWorker(Strategy):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_dir must be a folder path or None. Received: checkpoint_dir={checkpoint_dir!r}")
+            raise TypeError(f"checkpoint_dir must be a folder path or None. "
+                            f"Received: checkpoint_dir={checkpoint_dir!r}")
         self.task = cluster_lib.Task.parse(cluster)
         self.is_chief = self.task.is_chief
         self.checkpoint_dir = checkpoint_dir
