@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import cluster
+from keras_cnnpar import checkpoints, cluster
 from tests.conftest import build_small_cnn
 from tests.test_accuracy import FLOORS
 
@@ -150,14 +150,16 @@ def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epoc
 
 
 def test_an_existing_checkpoint_needs_resume(tmp_path):
-    (tmp_path / "results" / "checkpoints" / RUN).mkdir(parents=True)
-    result = subprocess.run(cnnpar_train("--workers", "2", "--epochs", "1", "--results", "results"), cwd=tmp_path,
-                            env=ENV, capture_output=True, text=True, timeout=200)
-    assert result.returncode == 1
-    assert f"results/checkpoints/{RUN} holds the checkpoint of an interrupted run; pass resume=True " \
-           "(cnnpar train --resume) to continue it, or delete the folder to start over. Received: resume=False" \
-           in result.stdout + result.stderr
-    assert not (tmp_path / "results" / f"{RUN}.csv").exists()
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    folder = tmp_path / "checkpoints" / RUN
+    checkpoints.RunCheckpoint(model, folder, resume=False).save(completed_epochs=1)
+    with pytest.raises(ValueError) as raised:
+        checkpoints.RunCheckpoint(model, folder, resume=False)
+    assert str(raised.value) == (
+        f"{folder} holds the checkpoint of an interrupted run; pass resume=True (cnnpar train --resume) to continue "
+        f"it, or delete the folder to start over. Received: resume=False")
+    assert checkpoints.RunCheckpoint(model, folder, resume=True).restore() == 1
 
 
 def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
