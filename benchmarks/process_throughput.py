@@ -51,7 +51,7 @@ def main():
     median = {name: statistics.median(values) for name, values in rates.items()}
     print(f"\n2+2 CNN, 4000 images, global batch 64, {args.rounds} rounds x {args.epochs - 1} timed epochs")
     for name in CONFIGS:
-        print(f"  {name:32s} {median[name]:8.0f} images/s  {median[name] / median['single']:.2f}x single")
+        print(f"  {name:38s} {median[name]:8.0f} images/s  {median[name] / median['single']:.2f}x single")
 
 
 if __name__ == "__main__":
