@@ -60,10 +60,15 @@ class RunCheckpoint:
 
     def save(self, completed_epochs):
         """Write the checkpoint after ``completed_epochs``; the previous one goes once this one is complete."""
+        previous = self.completed_epochs
         self.epochs.assign(completed_epochs)
         if self._manager is None:
             self._manager = tf.train.CheckpointManager(self.checkpoint, self._absolute, max_to_keep=1)
-        self._manager.save()
+        try:
+            self._manager.save()
+        except BaseException:
+            self.epochs.assign(previous)  # the checkpoint on disk is still the previous one
+            raise
 
     def remove(self, folder=None):
         """Delete ``folder`` (default: the run's), and the parent folder when no other run is left in it."""

@@ -1,5 +1,6 @@
 """Asynchronous parameter-server training: ``ParameterServerStrategy`` + ``ClusterCoordinator``."""
 
+import contextlib
 import functools
 import json
 import math
@@ -167,27 +168,32 @@ class AsyncPS(Strategy):
         prepared.stop_training = False
         callback_list.on_train_begin()
         for epoch in range(initial_epoch, epochs):
-            callback_list.on_epoch_begin(epoch)
-            callback_list.on_train_batch_begin(0)
-            logs = self._run_epoch(loop, steps, epoch)
-            callback_list.on_train_batch_end(steps - 1, logs)
-            if evaluator is not None:
-                evaluator.set_weights(prepared.get_weights())
-                logs.update(_validate(evaluator, validation_data, validation_steps, callback_list))
-            callback_list.on_epoch_end(epoch, logs)
-            if self._run is not None:
-                self._run.save(completed_epochs=epoch + 1)
+            with self._parameter_servers_kept(epoch):
+                callback_list.on_epoch_begin(epoch)
+                callback_list.on_train_batch_begin(0)
+                logs = loop.run_epoch(steps)
+                callback_list.on_train_batch_end(steps - 1, logs)
+                if evaluator is not None:
+                    evaluator.set_weights(prepared.get_weights())
+                    logs.update(_validate(evaluator, validation_data, validation_steps, callback_list))
+                callback_list.on_epoch_end(epoch, logs)
+                if self._run is not None:
+                    self._run.save(completed_epochs=epoch + 1)
             if prepared.stop_training:
                 break
         callback_list.on_train_end()
         return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
 
-    def _run_epoch(self, loop, steps, epoch):
-        """One epoch of ``loop``; a lost parameter server becomes a ``PeerLost`` that says how to resume."""
+    @contextlib.contextmanager
+    def _parameter_servers_kept(self, epoch):
+        """Turn a lost parameter server (in training, validation or checkpointing) into a ``PeerLost``
+        that names it and says how to resume."""
         try:
-            return loop.run_epoch(steps)
-        except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError) as error:
-            lost = cluster_lib.unreachable({"ps": self.cluster["ps"]}) or ["a parameter server"]
+            yield
+        except tf.errors.OpError as error:
+            lost = cluster_lib.unreachable({"ps": self.cluster["ps"]})
+            if not lost:
+                raise
             saved = (f"the checkpoint after epoch {self._run.completed_epochs} is in {self._run.directory}; restart "
                      f"the servers and rerun with resume=True (cnnpar train --resume)"
                      if self._run and self._run.completed_epochs else "no epoch was checkpointed yet")
