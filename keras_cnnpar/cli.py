@@ -56,9 +56,9 @@ def main():
               help="For async-ps: JSON spec of running servers, as `cnnpar cluster start` writes it. "
                    "For multi-worker: a TF_CONFIG JSON file instead of the variable.")
 @click.option("--resume", is_flag=True, default=None,
-              help="For multi-worker: continue a preempted run from its checkpoint.")
+              help="For multi-worker and async-ps: continue an interrupted run from its checkpoint.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="For multi-worker: folder of the preemption checkpoints. Default: RESULTS/checkpoints.")
+              help="For multi-worker and async-ps: folder of the checkpoints. Default: RESULTS/checkpoints.")
 @click.option("--collective-timeout", "timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For multi-worker: seconds a worker waits for its peers, at the start and in every "
                    "all-reduce, before failing (default 60). For async-ps: seconds to wait for the servers of "

@@ -70,12 +70,7 @@ class Task:
                                  "--workers N` to start N workers on this machine. Received: TF_CONFIG=''")
             config = _json(os.environ["TF_CONFIG"], "TF_CONFIG")
         elif isinstance(config, (str, Path)):
-            source = str(config)
-            try:
-                config = _json(Path(config).read_text(encoding="utf-8"), source)
-            except OSError as error:
-                raise ValueError(f"cannot read cluster file {source}: {error.strerror}. "
-                                 f"Received: cluster={source!r}") from None
+            source, config = str(config), _json_file(config)
         if not isinstance(config, dict):
             raise TypeError(f"cluster must be a TF_CONFIG-style dict or the path of a JSON file. "
                             f"Received: cluster of type {type(config).__name__}")
@@ -95,6 +90,14 @@ class Task:
 
     def __repr__(self):
         return f"<Task {self.type}:{self.index} of {({job: len(a) for job, a in self.cluster.items()})}>"
+
+
+def _json_file(path):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot read cluster file {path}: {error.strerror}. Received: cluster={str(path)!r}") from None
+    return _json(text, str(path))
 
 
 def _json(text, source):
@@ -160,12 +163,7 @@ def parse_spec(cluster, jobs=("worker", "ps")):
     """
     source = "cluster"
     if isinstance(cluster, (str, Path)):
-        source = str(cluster)
-        try:
-            cluster = _json(Path(cluster).read_text(encoding="utf-8"), source)
-        except OSError as error:
-            raise ValueError(f"cannot read cluster file {source}: {error.strerror}. "
-                             f"Received: cluster={source!r}") from None
+        source, cluster = str(cluster), _json_file(cluster)
     if not isinstance(cluster, dict):
         raise TypeError(f"cluster must be a dict, a tf.train.ClusterSpec or the path of a JSON file. "
                         f"Received: cluster of type {type(cluster).__name__}")
