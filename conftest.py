@@ -1,7 +1,8 @@
 """Test-wide set-up that must run before TensorFlow starts its runtime.
 
-Two logical CPU devices exist for every test and doctest, so multi-device
-strategies run on a CPU-only machine. Single-device code uses the first one.
+Four logical CPU devices exist for every test and doctest, so multi-device
+strategies (2 replicas, a 2 x 2 mesh) run on a CPU-only machine. Single-device
+code uses the first one.
 """
 
 import os
@@ -10,4 +11,4 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from keras_cnnpar import devices  # noqa: E402
 
-devices.configure(2, kind="CPU")
+devices.configure(4, kind="CPU")

@@ -29,8 +29,10 @@ _EXPORTS = {
     "LayerPlacement": "keras_cnnpar.strategies",
     "MultiWorker": "keras_cnnpar.strategies",
     "AsyncPS": "keras_cnnpar.strategies",
+    "ChannelSharded": "keras_cnnpar.strategies",
+    "Hybrid": "keras_cnnpar.strategies",
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "serving", "strategies", "training")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "layers", "models", "serving", "strategies", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

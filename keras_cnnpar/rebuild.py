@@ -47,7 +47,7 @@ def copy_state(source, target):
         return
     if not target.optimizer.built:
         target.optimizer.build(target.trainable_variables)
-    source_state, target_state = _optimizer_state(source.optimizer), _optimizer_state(target.optimizer)
+    source_state, target_state = optimizer_state(source.optimizer), optimizer_state(target.optimizer)
     if len(source_state) != len(target_state):
         raise ValueError(f"optimizer states differ: {len(source_state)} variables in the source, "
                          f"{len(target_state)} in the target. Received: source={source.name}, "
@@ -56,7 +56,8 @@ def copy_state(source, target):
         variable.assign(value)
 
 
-def _optimizer_state(optimizer):
+def optimizer_state(optimizer):
+    """The optimizer's variables (iterations, then each variable's slots), the learning rate excluded."""
     return [v for v in optimizer.variables if v.name != "learning_rate"]
 
 

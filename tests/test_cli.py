@@ -68,7 +68,7 @@ def test_missing_data_file_exits_2(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "ring"], "unknown strategy 'ring'; valid names are ['async-ps', 'layers', 'mirrored', 'multi-worker', 'single']"),
+    (["--strategy", "ring"], "unknown strategy 'ring'; valid names are ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']"),
     (["--strategy", "single", "--devices", "2"], "strategy 'single' takes no devices. Received: devices=2"),
     (["--model", "4+4"], "'4+4' is not one of '2+2', '3+3'"),
     (["--microbatches", "4"], "strategy 'single' takes no microbatches. Received: microbatches=4"),

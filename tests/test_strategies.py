@@ -14,7 +14,7 @@ def one_step(model, x, y, strategy):
 
 
 def test_aliases_resolve_to_strategy_objects():
-    assert strategies.names() == ["async-ps", "layers", "mirrored", "multi-worker", "single"]
+    assert strategies.names() == ["async-ps", "channels", "hybrid", "layers", "mirrored", "multi-worker", "single"]
     assert repr(strategies.resolve("single")) == "<Single devices=1>"
     assert repr(strategies.resolve("mirrored")) == "<DataParallel devices=2 scale_lr=None>"
     strategy = cnnpar.DataParallel(devices=2)
@@ -22,14 +22,14 @@ def test_aliases_resolve_to_strategy_objects():
 
 
 def test_unknown_alias_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['async-ps', 'layers', 'mirrored', 'multi-worker', 'single'\]. "
+    with pytest.raises(ValueError, match=r"^unknown strategy 'horovod'; valid names are \['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single'\]. "
                                          r"Received: strategy='horovod'$"):
         strategies.resolve("horovod")
 
 
 def test_strategy_of_the_wrong_type_is_a_type_error():
-    with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['async-ps', 'layers', "
-                                        r"'mirrored', 'multi-worker', 'single'\]. Received: strategy=2 of type int$"):
+    with pytest.raises(TypeError, match=r"^strategy must be a cnnpar strategy object or one of \['async-ps', 'channels', "
+                                        r"'hybrid', 'layers', 'mirrored', 'multi-worker', 'single'\]. Received: strategy=2 of type int$"):
         strategies.resolve(2)
 
 
@@ -53,11 +53,12 @@ def test_create_rejects_options_a_strategy_does_not_take():
 
 def test_configure_after_the_runtime_started_says_what_to_do():
     with pytest.raises(RuntimeError) as raised:
-        devices.configure(4, kind="CPU")
+        devices.configure(8, kind="CPU")
     assert str(raised.value) == (
-        "4 CPU devices are needed, but TensorFlow's runtime already started with 2: "
-        "['/device:CPU:0', '/device:CPU:1']. Logical devices can only be created before the runtime "
-        "starts: call cnnpar.devices.configure(4) at the top of your program, before building any model "
+        "8 CPU devices are needed, but TensorFlow's runtime already started with 4: "
+        "['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3']. Logical devices can only be "
+        "created before the runtime starts: call cnnpar.devices.configure(8) at the top of your program, "
+        "before building any model "
         "or tensor (the `cnnpar` CLI does this for you).")
     assert devices.configure(2, kind="CPU") == ["/device:CPU:0", "/device:CPU:1"]
 
@@ -65,7 +66,8 @@ def test_configure_after_the_runtime_started_says_what_to_do():
 def test_device_names_are_checked():
     assert devices.resolve(["/cpu:1", "/CPU:0"]) == ["/device:CPU:1", "/device:CPU:0"]
     with pytest.raises(ValueError, match=r"^unknown device names \['/gpu:3'\]; TensorFlow has "
-                                         r"\['/device:CPU:0', '/device:CPU:1'\]. Received: devices=\['/gpu:3'\]$"):
+                                         r"\['/device:CPU:0', '/device:CPU:1', '/device:CPU:2', '/device:CPU:3'\]. "
+                                         r"Received: devices=\['/gpu:3'\]$"):
         devices.resolve(["/gpu:3"])
 
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar import checkpoints, models, rebuild
+from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import PeerLost, Strategy, check_scale_lr, register
 
 @register("async-ps")
@@ -158,31 +159,27 @@ class AsyncPS(Strategy):
         if unsupported:
             raise ValueError(f"AsyncPS does not support the fit arguments {sorted(unsupported)}. "
                              f"Received: {unsupported}")
-        steps = steps_per_epoch or _finite_steps(train)
+        steps = steps_per_epoch or loop.finite_steps(train, "AsyncPS")
         rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
-        loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps), self.steps_per_execution)
+        async_loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps),
+                                self.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
-        callback_list = keras.callbacks.CallbackList(
-            callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
-            model=prepared)
-        prepared.stop_training = False
-        callback_list.on_train_begin()
-        for epoch in range(initial_epoch, epochs):
-            with self._parameter_servers_kept(epoch):
-                callback_list.on_epoch_begin(epoch)
-                callback_list.on_train_batch_begin(0)
-                logs = loop.run_epoch(steps)
-                callback_list.on_train_batch_end(steps - 1, logs)
-                if evaluator is not None:
-                    evaluator.set_weights(prepared.get_weights())
-                    logs.update(_validate(evaluator, validation_data, validation_steps, callback_list))
-                callback_list.on_epoch_end(epoch, logs)
-                if self._run is not None:
-                    self._run.save(completed_epochs=epoch + 1)
-            if prepared.stop_training:
-                break
-        callback_list.on_train_end()
-        return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+
+        def train_epoch(epoch, callback_list):
+            callback_list.on_train_batch_begin(0)
+            logs = async_loop.run_epoch(steps)
+            callback_list.on_train_batch_end(steps - 1, logs)
+            return logs
+
+        def validate():
+            evaluator.set_weights(prepared.get_weights())
+            return evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
+
+        return loop.run_epochs(
+            prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
+            initial_epoch=initial_epoch, validate=validate if evaluator is not None else None,
+            epoch_guard=self._parameter_servers_kept,
+            after_epoch=(lambda epoch: self._run.save(completed_epochs=epoch + 1)) if self._run else None)
 
     @contextlib.contextmanager
     def _parameter_servers_kept(self, epoch):
@@ -272,14 +269,6 @@ def _offset_on_each_worker(batches, window):
     return clock.flat_map(lambda microseconds: batches.skip(microseconds % window))
 
 
-def _finite_steps(dataset):
-    steps = int(dataset.cardinality())
-    if steps < 1:
-        raise ValueError("AsyncPS needs the steps of an epoch: give steps_per_epoch, or a finite dataset. "
-                         f"Received: a dataset of cardinality {steps}")
-    return steps
-
-
 def _evaluator(prepared):
     """A local copy of ``prepared``, compiled alike, that evaluates the current weights on the coordinator."""
     copy = keras.models.clone_model(prepared)
@@ -287,13 +276,6 @@ def _evaluator(prepared):
     config["steps_per_execution"] = 1
     copy.compile_from_config(config)
     return copy
-
-
-def _validate(evaluator, validation_data, validation_steps, callback_list):
-    callback_list.on_test_begin()
-    results = evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
-    callback_list.on_test_end(results)
-    return {f"val_{name}": float(value) for name, value in results.items()}
 
 
 @functools.cache

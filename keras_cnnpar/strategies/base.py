@@ -13,7 +13,7 @@ Strings name strategies through a small registry:
 <Single devices=1>
 >>> resolve("nope")
 Traceback (most recent call last):
-ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'layers', 'mirrored', 'multi-worker', 'single']. Received: strategy='nope'
+ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']. Received: strategy='nope'
 """
 
 import contextlib

@@ -1,0 +1,294 @@
+"""Channel-sharded Conv2D and Dense on a DTensor mesh, and the layers that pass layouts through.
+
+Activations are channels-last. Their first axis is sharded over the mesh axis
+``"batch"`` when the mesh has one; their last axis (the channels or features)
+is either whole or sharded over the mesh axis ``"model"``. A sharded layer in
+``"column"`` mode shards its kernel on output channels: it takes whole
+channels and returns sharded ones. In ``"row"`` mode it shards its kernel on
+input channels: it takes sharded channels, each device computes a partial
+sum, and DTensor all-reduces them into whole channels. Alternating the two,
+as Megatron pairs its layers, needs no all-gather between layers.
+
+DTensor's own convolution refuses a sharded filter and its pooling refuses
+sharded channels, so the convolution is a matmul over the stacked kernel
+windows (im2col) with a hand-written gradient, and pooling is an elementwise
+maximum or mean over the window's strided slices. Both work on any layout.
+
+These are ``tf.Module``s, not Keras layers: Keras 3 cannot hold DTensor
+variables. Each one is built from its Keras twin, whose weights it takes, and
+gives them back in Keras's shapes with ``get_weights()``.
+
+Example:
+
+>>> import keras, numpy as np
+>>> from tensorflow.experimental import dtensor
+>>> from keras_cnnpar import devices
+>>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+>>> conv = keras.layers.Conv2D(4, 3, padding="same")
+>>> x = np.random.default_rng(0).random((2, 8, 8, 3), dtype="float32")
+>>> reference = conv(x).numpy()
+>>> sharded = ChannelShardedConv2D(conv, mesh, mode="column")
+>>> sharded.kernel_layout
+('unsharded', 'unsharded', 'unsharded', 'model')
+>>> bool(np.allclose(sharded.forward(x), reference, atol=1e-5))
+True
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+UNSHARDED = dtensor.UNSHARDED
+MODES = ("column", "row")
+#: Activations that mix the channels, so they run on whole channels.
+CHANNEL_MIXING = {"softmax", "log_softmax"}
+
+
+def activation_layout(mesh, shape, channels_sharded=False):
+    """The layout of an activation of ``shape``: channels whole or sharded over ``"model"``, and the batch
+    over ``"batch"`` when the mesh has that axis and the batch splits evenly (else every replica computes all)."""
+    batches = mesh.dim_size("batch") if "batch" in mesh.dim_names else 0
+    batch = "batch" if batches and shape[0] % batches == 0 else UNSHARDED
+    rest = [UNSHARDED] * (len(shape) - 1)
+    if channels_sharded:
+        rest[-1] = "model"
+    return dtensor.Layout([batch, *rest], mesh)
+
+
+def replicated(mesh, rank):
+    return dtensor.Layout.replicated(mesh, rank)
+
+
+def to_mesh(value, layout):
+    """A DTensor of ``value`` (numpy or a local tensor) laid out as ``layout``."""
+    whole = dtensor.copy_to_mesh(tf.convert_to_tensor(value), replicated(layout.mesh, layout.rank))
+    return whole if layout.is_fully_replicated() else dtensor.relayout(whole, layout)
+
+
+def to_numpy(value):
+    """The whole value of a DTensor (any layout) as numpy."""
+    layout = dtensor.fetch_layout(value)
+    return dtensor.unpack(dtensor.relayout(value, replicated(layout.mesh, layout.rank)))[0].numpy()
+
+
+def divisors(n):
+    """The positive divisors of ``n``.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class ShardedLayer(tf.Module):
+    """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
+
+    def __init__(self, layer, mesh, mode, kernel_shape):
+        super().__init__(name=layer.name)
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'column' or 'row'. Received: mode={mode!r}")
+        self.mesh, self.mode = mesh, mode
+        name = keras.activations.serialize(layer.activation)
+        self.activation_name = name if isinstance(name, str) else "custom"
+        self.activation = layer.activation
+        self.use_bias = layer.use_bias
+        self._check_divisible(layer.name, kernel_shape)
+        sharded_axis = len(kernel_shape) - (1 if mode == "column" else 2)
+        self.kernel_layout = tuple("model" if axis == sharded_axis else UNSHARDED for axis in range(len(kernel_shape)))
+        self.keras_shapes = [tuple(w.shape) for w in layer.get_weights()]
+        self.kernel = dtensor.DVariable(to_mesh(np.zeros(kernel_shape, "float32"),
+                                                dtensor.Layout(self.kernel_layout, mesh)), name="kernel")
+        bias_layout = dtensor.Layout(["model" if mode == "column" else UNSHARDED], mesh)
+        self.bias = dtensor.DVariable(to_mesh(np.zeros(kernel_shape[-1:], "float32"), bias_layout), name="bias") \
+            if self.use_bias else None
+        self.set_weights(layer.get_weights())
+
+    def _check_divisible(self, name, kernel_shape):
+        shards = self.mesh.dim_size("model")
+        channels = kernel_shape[-1] if self.mode == "column" else kernel_shape[-2]
+        if channels % shards:
+            side = "output" if self.mode == "column" else "input"
+            raise ValueError(
+                f"layer {name!r} ({self.mode} mode) has {channels} {side} channels, which do not split over "
+                f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}. "
+                f"Received: model shards={shards}")
+
+    @property
+    def variables_in_order(self):
+        """The DVariables in Keras's weight order (kernel, bias)."""
+        return [self.kernel] + ([self.bias] if self.use_bias else [])
+
+    def get_weights(self):
+        """The weights as numpy arrays in the Keras twin's shapes."""
+        return [to_numpy(v).reshape(shape) for v, shape in zip(self.variables_in_order, self.keras_shapes)]
+
+    def set_weights(self, weights):
+        """Load weights given in the Keras twin's shapes."""
+        for variable, value in zip(self.variables_in_order, weights):
+            variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
+
+    def output_sharded(self):
+        """Whether the channels this layer returns are sharded."""
+        return self.mode == "column" and self.activation_name not in CHANNEL_MIXING
+
+    def _finish(self, y):
+        """Add the bias, fix the output layout and apply the activation."""
+        if self.use_bias:
+            y = y + self.bias
+        if self.mode == "column" and self.activation_name in CHANNEL_MIXING:
+            y = dtensor.relayout(y, activation_layout(self.mesh, y.shape))
+        return self.activation(y)
+
+    def forward(self, x):
+        """This layer alone on numpy or local input: for tests and examples (a ``tf.function`` of one call)."""
+        layout = activation_layout(self.mesh, np.shape(x), self.mode == "row")
+        return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
+
+
+class ChannelShardedConv2D(ShardedLayer):
+    """A ``keras.layers.Conv2D`` whose kernel is sharded over the mesh's ``"model"`` axis.
+
+    ``mode="column"`` shards the output channels (input channels whole,
+    output sharded); ``mode="row"`` shards the input channels (input sharded,
+    partial sums all-reduced into whole output channels). The convolution is
+    one matmul of the stacked ``kh*kw`` shifted windows with the kernel; its
+    gradient with respect to the input is the same kind of matmul over the
+    padded output gradient, so no window slice is differentiated.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> conv = keras.layers.Conv2D(6, 5, activation="relu")
+    >>> x = np.random.default_rng(0).random((2, 12, 12, 4), dtype="float32")
+    >>> reference = conv(x).numpy()
+    >>> bool(np.allclose(ChannelShardedConv2D(conv, mesh, mode="row").forward(x), reference, atol=1e-5))
+    True
+
+    Args:
+        layer: the built ``keras.layers.Conv2D`` to copy (channels-last,
+            no dilation, no groups).
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        mode: ``"column"`` or ``"row"``.
+    """
+
+    def __init__(self, layer, mesh, mode="column"):
+        unsupported = {"data_format": "channels_last", "dilation_rate": (1, 1), "groups": 1}
+        config = layer.get_config()
+        for key, wanted in unsupported.items():
+            if tuple(np.atleast_1d(config[key])) != tuple(np.atleast_1d(wanted)):
+                raise ValueError(f"ChannelShardedConv2D supports {key}={wanted!r} only; layer {layer.name!r} has "
+                                 f"{key}={config[key]!r}. Received: {key}={config[key]!r}")
+        self.strides = tuple(layer.strides)
+        self.padding = layer.padding
+        #: False for a first layer, whose input (the images) needs no gradient.
+        self.input_gradient = True
+        super().__init__(layer, mesh, mode, tuple(layer.kernel.shape))
+
+    def __call__(self, x, training=False):
+        kh, kw = self.kernel.shape[:2]
+        x = tf.pad(x, [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
+        y = _conv(x, self.kernel.read_value(), self.strides, self.input_gradient)
+        y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
+        return self._finish(y)
+
+
+class ShardedDense(ShardedLayer):
+    """A ``keras.layers.Dense`` whose kernel is sharded over the mesh's ``"model"`` axis.
+
+    ``mode="column"`` shards the units, ``mode="row"`` the input features
+    (partial sums all-reduced). Its input may keep the spatial axes of a
+    ``Flatten`` it absorbed (``input_shape=(h, w, c)``): the kernel is then held
+    as ``(h, w, c, units)`` and sharded on ``c``, so channels sharded by the
+    convolution before need no gather. ``get_weights`` returns Keras's
+    ``(h*w*c, units)`` kernel, in ``Flatten``'s order.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> dense = keras.layers.Dense(8, activation="relu")
+    >>> x = np.random.default_rng(0).random((4, 6), dtype="float32")
+    >>> reference = dense(x).numpy()
+    >>> bool(np.allclose(ShardedDense(dense, mesh, mode="column").forward(x), reference, atol=1e-5))
+    True
+
+    Args:
+        layer: the built ``keras.layers.Dense`` to copy.
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        mode: ``"column"`` or ``"row"``.
+        input_shape: the shape of one example's input, when it is not the
+            layer's own (a ``Flatten`` folded in).
+    """
+
+    def __init__(self, layer, mesh, mode="column", input_shape=None):
+        input_shape = tuple(input_shape or layer.kernel.shape[:1])
+        if math.prod(input_shape) != layer.kernel.shape[0]:
+            raise ValueError(f"input_shape {input_shape} does not hold the {layer.kernel.shape[0]} input features of "
+                             f"layer {layer.name!r}. Received: input_shape={input_shape}")
+        super().__init__(layer, mesh, mode, (*input_shape, layer.units))
+
+    def __call__(self, x, training=False):
+        axes = "hwc"[-(x.shape.rank - 1):]
+        y = tf.einsum(f"b{axes},{axes}o->bo", x, self.kernel)
+        y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
+        return self._finish(y)
+
+
+def same_padding(size, window, strides, padding):
+    """``[[top, bottom], [left, right]]`` of Keras's ``padding`` ("valid" or "same") for a 2-D window.
+
+    >>> same_padding((28, 28), (5, 5), (1, 1), "same")
+    [[2, 2], [2, 2]]
+    """
+    if padding == "valid":
+        return [[0, 0], [0, 0]]
+    pads = []
+    for n, k, s in zip(size, window, strides):
+        total = max((math.ceil(n / s) - 1) * s + k - n, 0)
+        pads.append([total // 2, total - total // 2])
+    return pads
+
+
+def windows(x, window, strides):
+    """The ``kh*kw`` shifted, strided views of ``x`` (NHWC) that a ``window`` with ``strides`` covers."""
+    (kh, kw), (sh, sw) = window, strides
+    oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
+    return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
+
+
+def _conv(x, kernel, strides, input_gradient=True):
+    """Valid convolution of padded ``x`` with ``kernel`` as one matmul; stride 1 gets a hand-written gradient
+    (without the input's part when ``input_gradient`` is False)."""
+    kh, kw, cin, cout = kernel.shape
+
+    def forward(x, kernel):
+        stacked = tf.stack(windows(x, (kh, kw), strides), axis=3)  # b, oh, ow, kh*kw, cin
+        return tf.einsum("bhwkc,kco->bhwo", stacked, tf.reshape(kernel, [kh * kw, cin, cout])), stacked
+
+    if strides != (1, 1):
+        return forward(x, kernel)[0]
+
+    @tf.custom_gradient
+    def conv(x, kernel):
+        y, stacked = forward(x, kernel)
+
+        def gradient(dy):
+            d_kernel = tf.reshape(tf.einsum("bhwkc,bhwo->kco", stacked, dy), kernel.shape)
+            if not input_gradient:
+                return tf.zeros_like(x), d_kernel
+            padded = tf.pad(dy, [[0, 0], [kh - 1, kh - 1], [kw - 1, kw - 1], [0, 0]])
+            flipped = tf.stack(windows(padded, (kh, kw), (1, 1))[::-1], axis=3)  # the kernel turned by 180°
+            d_x = tf.einsum("bhwko,kco->bhwc", flipped, tf.reshape(kernel, [kh * kw, cin, cout]))
+            return d_x, d_kernel
+
+        return y, gradient
+
+    return conv(x, kernel)

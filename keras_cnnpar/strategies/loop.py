@@ -1,0 +1,58 @@
+"""``fit``'s contract for strategies that train with a loop of their own (AsyncPS, ChannelSharded, Hybrid).
+
+The loop keeps Keras's callback order: ``on_train_begin``, then per epoch
+``on_epoch_begin``, the strategy's training (which calls the batch-level
+callbacks it can), validation between ``on_test_begin`` and ``on_test_end``
+with its results added as ``val_*``, and ``on_epoch_end``. It honours
+``initial_epoch`` and ``model.stop_training`` and returns the ``History``.
+"""
+
+import contextlib
+
+import keras
+
+
+def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, initial_epoch=0, validate=None,
+               epoch_guard=None, after_epoch=None):
+    """Run ``train_epoch(epoch, callback_list) -> logs`` for each epoch with Keras's callbacks; return the History.
+
+    Args:
+        model: the model the callbacks see (``callback.model``).
+        train_epoch: trains one epoch and returns its logs.
+        epochs, steps, callbacks, verbose, initial_epoch: as in ``keras.Model.fit``.
+        validate: None, or a function returning the validation results as a dict.
+        epoch_guard: None, or a function of the epoch returning a context manager
+            that wraps the epoch (to turn a lost peer into a clear error).
+        after_epoch: None, or a function of the epoch called after ``on_epoch_end``
+            (to write a checkpoint).
+    """
+    callback_list = keras.callbacks.CallbackList(
+        callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
+        model=model)
+    model.stop_training = False
+    callback_list.on_train_begin()
+    for epoch in range(initial_epoch, epochs):
+        with (epoch_guard or (lambda _: contextlib.nullcontext()))(epoch):
+            callback_list.on_epoch_begin(epoch)
+            logs = train_epoch(epoch, callback_list)
+            if validate is not None:
+                callback_list.on_test_begin()
+                results = validate()
+                callback_list.on_test_end(results)
+                logs.update({f"val_{name}": float(value) for name, value in results.items()})
+            callback_list.on_epoch_end(epoch, logs)
+            if after_epoch is not None:
+                after_epoch(epoch)
+        if model.stop_training:
+            break
+    callback_list.on_train_end()
+    return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+
+
+def finite_steps(dataset, strategy_name):
+    """The number of batches of a finite ``dataset``; an error for an infinite one."""
+    steps = int(dataset.cardinality())
+    if steps < 1:
+        raise ValueError(f"{strategy_name} needs the steps of an epoch: give steps_per_epoch, or a finite dataset. "
+                         f"Received: a dataset of cardinality {steps}")
+    return steps

@@ -1,0 +1,282 @@
+"""Tensor parallel on DTensor meshes: ``ChannelSharded`` (channels over devices) and ``Hybrid`` (batch x channels)."""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_cnnpar import devices as device_lib
+from keras_cnnpar import layers, rebuild
+from keras_cnnpar.layers.sharded import activation_layout, to_mesh, to_numpy
+from keras_cnnpar.strategies import loop
+from keras_cnnpar.strategies.base import Strategy, check_devices, register
+
+
+@register("channels")
+class ChannelSharded(Strategy):
+    """Tensor parallel: every Conv2D and Dense kernel is sharded over the devices' channels, with DTensor.
+
+    The model is rebuilt on a 1-D DTensor mesh ``("model",)``. Its Conv2D and
+    Dense layers become ``ChannelShardedConv2D`` and ``ShardedDense``, which
+    alternate column mode (output channels sharded) and row mode (input
+    channels sharded, partial sums all-reduced), as Megatron pairs its layers;
+    pooling, padding, flatten, dropout and activations pass the layouts
+    through. Every weight and every optimizer slot is a DVariable laid out like
+    its kernel, so each device holds about ``1/devices`` of the parameters. The
+    whole global ``batch_size`` goes through every device. A training step is
+    one ``tf.function``; the loss and metrics are computed from its
+    predictions, and validation runs the sharded model too. Supported
+    optimizers: SGD (with momentum, Nesterov) and Adam. The trained weights
+    come back unsharded into the user's model.
+
+    The layer table (mode, kernel layout, parameter bytes per device) is
+    printed and logged before training.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.devices.configure(2)
+    ['/device:CPU:0', '/device:CPU:1']
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, verbose=0, results_dir=None,
+    ...                     strategy=cnnpar.ChannelSharded(devices=2))
+
+    Args:
+        devices: number of devices on the ``"model"`` axis, or a list of device names.
+    """
+
+    mesh_axes = ("model",)
+
+    def __init__(self, devices=2):
+        super().__init__(steps_per_execution=1)
+        self.devices = check_devices(devices)
+        self.sharded = self.optimizer = None
+
+    def __repr__(self):
+        return f"<ChannelSharded devices={self.num_devices}>"
+
+    @property
+    def mesh_shape(self):
+        return (self.num_devices,)
+
+    def mesh(self):
+        """The DTensor mesh over this strategy's devices; an error lists the devices when there are too few."""
+        wanted = math.prod(self.mesh_shape)
+        try:
+            names = device_lib.resolve(self.devices if not isinstance(self.devices, int) else wanted)
+        except RuntimeError:
+            have = device_lib.logical_names()
+            raise ValueError(f"a mesh of {' x '.join(map(str, self.mesh_shape))} needs {wanted} devices, but "
+                             f"TensorFlow has {len(have)}: {have}. Call cnnpar.devices.configure({wanted}) before "
+                             f"TensorFlow starts, or use fewer devices. Received: {self!r}") from None
+        return dtensor.create_mesh(list(zip(self.mesh_axes, self.mesh_shape)), devices=names)
+
+    def prepare(self, model):
+        prepared = rebuild.rebuild(model, scope=self.scope())
+        self.sharded = layers.ShardedSequential(prepared, self.mesh())
+        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights)
+        if prepared.optimizer.built:
+            self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
+        self.loss = keras.losses.get(prepared.get_compile_config()["loss"])
+        return prepared
+
+    def report(self):
+        return self.sharded.report()
+
+    def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, **unsupported):
+        if unsupported:
+            raise ValueError(f"{type(self).__name__} does not support the fit arguments {sorted(unsupported)}. "
+                             f"Received: {unsupported}")
+        steps = steps_per_epoch or loop.finite_steps(train, type(self).__name__)
+        batches = iter(train)
+        train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
+
+        def train_epoch(epoch, callback_list):
+            learning_rate = to_mesh(np.float32(prepared.optimizer.learning_rate), self.optimizer.scalar)
+            logs = _run_batches(prepared, batches, steps, lambda x, y: train_step(x, y, learning_rate),
+                                self.sharded.mesh, callback_list)
+            self._sync(prepared)
+            return logs
+
+        def validate():
+            return _run_batches(prepared, iter(validation_data), validation_steps
+                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh)
+
+        return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
+                               verbose=verbose, initial_epoch=initial_epoch,
+                               validate=validate if validation_data is not None else None)
+
+    def _sync(self, prepared):
+        """Copy the sharded weights and optimizer state into ``prepared`` (the local Keras model)."""
+        prepared.set_weights(self.sharded.get_weights())
+        if not prepared.optimizer.built:
+            prepared.optimizer.build(prepared.trainable_variables)
+        for variable, value in zip(rebuild.optimizer_state(prepared.optimizer), self.optimizer.get_state()):
+            variable.assign(np.reshape(value, variable.shape))
+
+
+@register("hybrid")
+class Hybrid(ChannelSharded):
+    """A 2-D DTensor mesh: the batch split over ``data`` replicas, the channels over ``model`` shards.
+
+    Each of the ``data * model`` devices holds ``1/model`` of every kernel (as
+    in ``ChannelSharded``) and computes ``batch_size / data`` of the global
+    batch; the gradients of the replicated parameters are all-reduced over the
+    ``"batch"`` axis by DTensor. A batch that ``data`` does not divide (a short
+    last batch) is computed whole by every replica, which gives the same
+    gradient.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.Hybrid(data=2, model=2)
+    <Hybrid data=2 model=2>
+
+    Args:
+        data: replicas on the ``"batch"`` axis.
+        model: shards on the ``"model"`` axis.
+    """
+
+    mesh_axes = ("batch", "model")
+
+    def __init__(self, data=2, model=2):
+        for name, value in (("data", data), ("model", model)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+        super().__init__(devices=data * model)
+        self.data, self.model = data, model
+
+    def __repr__(self):
+        return f"<Hybrid data={self.data} model={self.model}>"
+
+    @property
+    def mesh_shape(self):
+        return (self.data, self.model)
+
+    @property
+    def num_replicas(self):
+        return self.data
+
+
+def _steps(sharded, optimizer, loss_fn):
+    """The training and test steps, each one ``tf.function`` on the mesh; both return (loss, predictions)."""
+    mesh = sharded.mesh
+
+    def loss_and_predictions(x, y, training):
+        y_pred = sharded(x, training=training)
+        y = dtensor.relayout(y, activation_layout(mesh, y.shape))
+        return tf.reduce_mean(loss_fn(y, y_pred)), y_pred
+
+    @tf.function
+    def train_step(x, y, learning_rate):
+        with tf.GradientTape() as tape:
+            loss, y_pred = loss_and_predictions(x, y, True)
+        # Laid out like their variables, the gradients are all-reduced over "batch" before the update reads them.
+        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, sharded.weights), sharded.weights)]
+        optimizer.apply(gradients, sharded.weights, learning_rate)
+        return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
+
+    @tf.function
+    def test_step(x, y):
+        loss, y_pred = loss_and_predictions(x, y, False)
+        return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
+
+    return train_step, test_step
+
+
+def _run_batches(model, batches, steps, step, mesh, callback_list=None):
+    """Run ``step`` on ``steps`` batches; update ``model``'s compiled metrics from the predictions; return the logs.
+
+    The loss is the batch-size-weighted mean, as Keras reports it.
+    """
+    model.reset_metrics()
+    total, count = 0.0, 0
+    for index in range(steps):
+        x, y = next(batches)
+        if callback_list is not None:
+            callback_list.on_train_batch_begin(index)
+        loss, y_pred = step(*(to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape))) for a in (x, y)))
+        total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
+        model.compute_metrics(x, y, dtensor.unpack(y_pred)[0])
+        logs = {**{k: float(v) for k, v in model.get_metrics_result().items()}, "loss": total / count}
+        if callback_list is not None:
+            callback_list.on_train_batch_end(index, logs)
+    return logs
+
+
+class _MeshOptimizer:
+    """The update rule of a Keras SGD or Adam optimizer, on DVariables; each slot is laid out like its variable.
+
+    Its state (``iterations``, then each variable's slots in Keras's order)
+    moves to and from the Keras optimizer, so training continues across
+    strategies. The learning rate is read from the Keras optimizer every
+    epoch, so schedules set by callbacks apply.
+    """
+
+    SLOTS = {"SGD": ("momentum",), "Adam": ("momentum", "velocity")}
+    #: Settings this rule does not implement, with the value they must keep.
+    DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+                "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
+
+    def __init__(self, optimizer, variables):
+        kind = type(optimizer).__name__
+        if kind not in self.SLOTS:
+            raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
+                             f"Received: optimizer={kind}")
+        self.kind, self.config = kind, optimizer.get_config()
+        for key, default in self.DEFAULTS.items():
+            if self.config.get(key, default) != default:
+                raise ValueError(f"tensor-parallel training does not implement {kind}'s {key}; leave it at "
+                                 f"{default!r}. Received: {key}={self.config[key]!r}")
+        slots = self.SLOTS[kind] if kind == "Adam" or self.config["momentum"] else ()
+        mesh = dtensor.fetch_layout(variables[0]).mesh
+        self.scalar = dtensor.Layout.replicated(mesh, 0)
+        self.iterations = dtensor.DVariable(to_mesh(np.int64(0), self.scalar), name="iterations")
+        self.slots = [{name: dtensor.DVariable(to_mesh(np.zeros(v.shape, "float32"), dtensor.fetch_layout(v)))
+                       for name in slots} for v in variables]
+
+    def get_state(self):
+        """``[iterations, *slots]`` as numpy, in the Keras optimizer's order."""
+        return [to_numpy(self.iterations),
+                *(to_numpy(slot) for slots in self.slots for slot in slots.values())]
+
+    def set_state(self, state):
+        """Load ``[iterations, *slots]`` (Keras's optimizer variables, learning rate excluded)."""
+        self.iterations.assign(to_mesh(np.int64(state[0]), self.scalar))
+        for variable, value in zip((s for slots in self.slots for s in slots.values()), state[1:]):
+            variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
+
+    def apply(self, gradients, variables, learning_rate):
+        """One update of ``variables`` (inside the training step's ``tf.function``).
+
+        The rules compute each slot's new value as a tensor and use that, never
+        read a slot back after assigning it: under DTensor a read on the 2-D mesh
+        was not ordered after the assignment, and the variable missed its update.
+        """
+        rule = self._sgd if self.kind == "SGD" else self._adam
+        for gradient, variable, slots in zip(gradients, variables, self.slots):
+            rule(gradient, variable, slots, learning_rate)
+        self.iterations.assign_add(1)
+
+    def _sgd(self, gradient, variable, slots, learning_rate):
+        if not slots:
+            variable.assign_sub(gradient * learning_rate)
+            return
+        momentum = self.config["momentum"]
+        m = slots["momentum"] * momentum - gradient * learning_rate
+        slots["momentum"].assign(m)
+        variable.assign_add(m * momentum - gradient * learning_rate if self.config["nesterov"] else m)
+
+    def _adam(self, gradient, variable, slots, learning_rate):
+        beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
+        step = tf.cast(self.iterations + 1, tf.float32)
+        alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
+        v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
+        slots["momentum"].assign(m)
+        slots["velocity"].assign(v)
+        variable.assign_sub(m * alpha / (tf.sqrt(v) + self.config["epsilon"]))

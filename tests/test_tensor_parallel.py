@@ -1,0 +1,146 @@
+"""Tensor parallel on DTensor meshes: sharded layers against their Keras twins, parity, errors, the run log."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import devices
+from keras_cnnpar.layers import ChannelShardedConv2D, ShardedDense, ShardedSequential
+from keras_cnnpar.layers.sharded import activation_layout, to_mesh, to_numpy
+from tests.conftest import build_small_cnn, max_weight_difference
+
+TWINS = {
+    "conv same": (lambda: keras.layers.Conv2D(4, 5, padding="same", activation="relu"), (3, 9, 9, 6)),
+    "conv valid strided": (lambda: keras.layers.Conv2D(6, 3, strides=2), (3, 9, 9, 4)),
+    "dense": (lambda: keras.layers.Dense(8, activation="relu"), (3, 12)),
+}
+
+
+def mesh_of(shape=(2,), axes=("model",)):
+    return dtensor.create_mesh(list(zip(axes, shape)), devices=devices.configure(int(np.prod(shape))))
+
+
+def relative_error(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def keras_forward_and_gradients(layer, x, upstream):
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x)
+        total = tf.reduce_sum(y * upstream)
+    return [y.numpy(), *(g.numpy() for g in tape.gradient(total, [x, *layer.trainable_weights]))]
+
+
+def sharded_forward_and_gradients(sharded, x, upstream):
+    mesh = sharded.mesh
+    x = to_mesh(x, activation_layout(mesh, x.shape, sharded.mode == "row"))
+    upstream = to_mesh(upstream, dtensor.Layout.replicated(mesh, upstream.ndim))
+
+    @tf.function
+    def run(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = sharded(x)
+            total = tf.reduce_sum(y * upstream)
+        return y, tape.gradient(total, [x, *sharded.variables_in_order])
+
+    y, gradients = run(x)
+    kernel_shape = sharded.keras_shapes[0]
+    return [to_numpy(y), to_numpy(gradients[0]), to_numpy(gradients[1]).reshape(kernel_shape),
+            *map(to_numpy, gradients[2:])]
+
+
+@pytest.mark.parametrize("mode", ["column", "row"])
+@pytest.mark.parametrize("twin", TWINS)
+def test_a_sharded_layer_matches_its_keras_twin_forward_and_backward(twin, mode):
+    make, shape = TWINS[twin]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape).astype("float32")
+    layer = make()
+    y = layer(x)
+    upstream = rng.standard_normal(y.shape).astype("float32")
+    sharded_class = ChannelShardedConv2D if isinstance(layer, keras.layers.Conv2D) else ShardedDense
+    sharded = sharded_class(layer, mesh_of(), mode=mode)
+    expected = keras_forward_and_gradients(layer, x, upstream)
+    got = sharded_forward_and_gradients(sharded, x, upstream)
+    for name, a, b in zip(["output", "input gradient", "kernel gradient", "bias gradient"], got, expected):
+        assert relative_error(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam"])
+def test_two_steps_match_single_within_1e_4(strategy, optimizer, digits):
+    optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
+                  "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+                  "adam": lambda: keras.optimizers.Adam(1e-3)}
+
+    def trained(strategy):
+        model = build_small_cnn()
+        model.compile(optimizer=optimizers[optimizer](), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        cnnpar.fit(model, digits.x[:64], digits.y[:64], strategy=strategy, batch_size=32, epochs=1, shuffle=False,
+                   verbose=0, results_dir=None)
+        return model
+
+    single, sharded = trained("single"), trained(strategy)
+    assert max_weight_difference(single, build_small_cnn()) > 1e-3  # the steps moved the weights
+    assert max_weight_difference(single, sharded) < 1e-4
+    assert int(sharded.optimizer.iterations.numpy()) == 2
+    for a, b in zip(single.optimizer.variables[2:], sharded.optimizer.variables[2:]):  # the slots came back
+        assert np.max(np.abs(a.numpy() - b.numpy())) < 1e-4, a.path
+
+
+def test_layers_alternate_column_and_row_and_shard_every_kernel():
+    sharded = ShardedSequential(cnnpar.models.cnn("3+3"), mesh_of())
+    column, row = ("column", ("unsharded", "model")), ("row", ("model", "unsharded"))
+    assert [(layer.mode, layer.kernel_layout[-2:]) for layer in sharded.sharded_layers] == [
+        column, row, column, row, column, row]
+    assert sharded.sharded_layers[3].kernel.shape == (7, 7, 32, 128)  # the Flatten is folded in
+    report = sharded.report()
+    assert "mesh {'model': 2} over 2 devices" in report
+    assert "parameters: 986,728 bytes in all, 493,736 bytes per device" in report
+
+
+def test_a_channel_count_that_does_not_split_names_the_layer_and_the_divisors():
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(6, 3, name="conv"),
+                              keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    with pytest.raises(ValueError) as raised:
+        ShardedSequential(model, mesh_of((4,)))
+    assert str(raised.value) == ("layer 'conv' (column mode) has 6 output channels, which do not split over 4 "
+                                 "model shards; shard counts that divide 6: [1, 2, 3, 6]. Received: model shards=4")
+
+
+def test_an_unsupported_layer_is_named_with_the_supported_ones():
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    with pytest.raises(ValueError) as raised:
+        ShardedSequential(model, mesh_of())
+    assert str(raised.value) == (
+        "channel sharding cannot convert layer 'bn' of type BatchNormalization; the supported layers are Conv2D, "
+        "Dense, MaxPooling2D, AveragePooling2D, ZeroPadding2D, Flatten, Dropout, Activation, ReLU, LeakyReLU, ELU, "
+        "Softmax. Received: layer='bn' (BatchNormalization)")
+
+
+def test_a_mesh_larger_than_the_devices_lists_them():
+    with pytest.raises(ValueError) as raised:
+        cnnpar.Hybrid(data=4, model=2).mesh()
+    assert str(raised.value) == (
+        "a mesh of 4 x 2 needs 8 devices, but TensorFlow has 4: ['/device:CPU:0', '/device:CPU:1', "
+        "'/device:CPU:2', '/device:CPU:3']. Call cnnpar.devices.configure(8) before TensorFlow starts, or use "
+        "fewer devices. Received: <Hybrid data=4 model=2>")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"data": 0}, "data must be a positive int. Received: data=0"),
+    ({"model": "2"}, "model must be a positive int. Received: model='2'"),
+])
+def test_hybrid_validates_its_arguments(kwargs, message):
+    with pytest.raises(ValueError) as raised:
+        cnnpar.Hybrid(**kwargs)
+    assert str(raised.value) == message
