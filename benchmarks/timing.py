@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: 2 logical devices, the training split, and per-epoch images/s.
+"""What the benchmark scripts share: 4 logical devices (2 replicas, a 2 x 2 mesh), the training split, and per-epoch images/s.
 
 Import it first: it creates the logical devices before TensorFlow starts.
 """
@@ -12,7 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras_cnnpar as cnnpar  # noqa: E402
 
-cnnpar.devices.configure(2)
+cnnpar.devices.configure(4)
 
 import keras  # noqa: E402
 

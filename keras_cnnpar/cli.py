@@ -39,13 +39,16 @@ def main():
 @click.option("--strategy", "strategy_name", default="single", show_default=True,
               help="single (one device), mirrored (sync data parallel on MirroredStrategy), multi-worker "
                    "(sync data parallel across processes, see --workers), async-ps (asynchronous parameter "
-                   "servers, see --workers, --ps, --cluster) or layers (layers placed on devices, see "
-                   "--microbatches).")
+                   "servers, see --workers, --ps, --cluster), layers (layers placed on devices, see "
+                   "--microbatches), channels (Conv2D/Dense kernels sharded over --devices with DTensor) or hybrid "
+                   "(a DTensor mesh of batch x channels, see --mesh).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="For --strategy layers: micro-batches per batch, pipelined across the stages (default 1).")
+@click.option("--mesh", default=None, callback=lambda ctx, param, value: _mesh(value), metavar="DATAxMODEL",
+              help="For hybrid: replicas on the batch axis x shards on the channel axis, e.g. 2x2 (default).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="For multi-worker: start this many worker processes on this machine (without it, this process "
                    "is one worker of the cluster in TF_CONFIG). For async-ps: workers of the in-process cluster "
@@ -85,7 +88,7 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
+def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
           epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose,
           export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
@@ -117,7 +120,8 @@ def train(model_kind, strategy_name, devices, microbatches, workers, ps, cluster
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, "checkpoints")
     try:
-        strategy = strategies.create(strategy_name, devices=devices, microbatches=microbatches, workers=workers,
+        strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0], model=mesh and mesh[1],
+                                     microbatches=microbatches, workers=workers,
                                      ps=ps, cluster=cluster_spec, resume=resume, checkpoint_dir=checkpoint_dir,
                                      timeout=timeout, scale_lr=scale_lr)
     except (TypeError, ValueError) as error:
@@ -159,6 +163,16 @@ def train(model_kind, strategy_name, devices, microbatches, workers, ps, cluster
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _mesh(value):
+    """``"DxM"`` -> ``(D, M)``; None stays None."""
+    if value is None:
+        return None
+    parts = value.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise click.BadParameter(f"expected DATAxMODEL with two positive ints, e.g. 2x2. Received: --mesh {value}")
+    return int(parts[0]), int(parts[1])
 
 
 def _launch_workers(workers):

@@ -8,8 +8,10 @@ import keras_cnnpar as cnnpar
 FLOORS = {"2+2": 0.93, "3+3": 0.92}
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored"])
-@pytest.mark.parametrize("kind", ["2+2", "3+3"])
+@pytest.mark.parametrize("kind, strategy", [
+    ("2+2", "single"), ("3+3", "single"), ("2+2", "mirrored"), ("3+3", "mirrored"),
+    ("2+2", "channels"), ("3+3", "hybrid"),  # tensor parallel: each CNN under one of the two meshes
+])
 def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, digits_split):
     train, val = digits_split
     keras.utils.set_random_seed(0)

@@ -193,7 +193,7 @@ class ChannelShardedConv2D(ShardedLayer):
     def __call__(self, x, training=False):
         kh, kw = self.kernel.shape[:2]
         x = tf.pad(x, [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
-        y = _conv(x, self.kernel.read_value(), self.strides, self.input_gradient)
+        y = conv_as_matmul(x, self.kernel.read_value(), self.strides, self.input_gradient)
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
 
@@ -264,7 +264,7 @@ def windows(x, window, strides):
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
 
 
-def _conv(x, kernel, strides, input_gradient=True):
+def conv_as_matmul(x, kernel, strides=(1, 1), input_gradient=True):
     """Valid convolution of padded ``x`` with ``kernel`` as one matmul; stride 1 gets a hand-written gradient
     (without the input's part when ``input_gradient`` is False)."""
     kh, kw, cin, cout = kernel.shape
