@@ -120,7 +120,8 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
                              f"Received: validation_split={validation_split}")
         cut = int(len(x) * (1.0 - validation_split))
         x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train, steps = _epoch_dataset(x, y, batch_size, strategy.steps_per_execution, shuffle=bool(shuffle),
+    train, steps = _epoch_dataset(x, y, batch_size * strategy.accumulate, strategy.steps_per_execution,
+                                  shuffle=bool(shuffle),
                                   seed=strategy.shuffle_seed)
     steps = {"steps_per_epoch": steps}
     validation = validation_data

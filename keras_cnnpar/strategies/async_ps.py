@@ -181,6 +181,14 @@ class AsyncPS(Strategy):
             epoch_guard=self._parameter_servers_kept,
             after_epoch=(lambda epoch: self._run.save(completed_epochs=epoch + 1)) if self._run else None)
 
+    def replica_batches(self, dataset):
+        raise NotImplementedError("each worker reads its own stream, from an offset of its own")
+
+    def probe(self):
+        probe = super().probe()
+        probe.checkpoint_dir, probe.resume = None, False
+        return probe
+
     @contextlib.contextmanager
     def _parameter_servers_kept(self, epoch):
         """Turn a lost parameter server (in training, validation or checkpointing) into a ``PeerLost``

@@ -17,10 +17,13 @@ ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'channels', 'h
 """
 
 import contextlib
+import copy
 import inspect
 import math
 
-from keras_cnnpar import rebuild
+import keras
+
+from keras_cnnpar import accumulation, rebuild
 
 _REGISTRY = {}
 SCALE_LR = {"linear": lambda n: float(n), "sqrt": math.sqrt, None: lambda n: 1.0}
@@ -109,6 +112,10 @@ class Strategy:
     Args:
         steps_per_execution: training steps run per call into TensorFlow;
             Keras then calls batch-level callbacks once per that many steps.
+        accumulate: each step takes ``accumulate`` micro-batches of
+            ``batch_size`` and applies the mean of their gradients once (see
+            ``cnnpar.accumulation``): the update of one step on an
+            ``accumulate``-times larger batch, with one gradient sync.
     """
 
     alias = "strategy"
@@ -121,12 +128,12 @@ class Strategy:
     #: Seed of the input shuffle; None follows TensorFlow's global seed.
     shuffle_seed = None
 
-    def __init__(self, *, steps_per_execution=8):
-        if isinstance(steps_per_execution, bool) or not isinstance(steps_per_execution, int) \
-                or steps_per_execution < 1:
-            raise ValueError(f"steps_per_execution must be a positive int. "
-                             f"Received: steps_per_execution={steps_per_execution!r}")
+    def __init__(self, *, steps_per_execution=8, accumulate=1):
+        for name, value in (("steps_per_execution", steps_per_execution), ("accumulate", accumulate)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
         self.steps_per_execution = steps_per_execution
+        self.accumulate = accumulate
 
     @property
     def num_devices(self):
@@ -163,11 +170,27 @@ class Strategy:
     def prepare(self, model):
         """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
-                               steps_per_execution=self.steps_per_execution)
+                               steps_per_execution=self.steps_per_execution,
+                               clone=accumulation.wrap(keras.models.clone_model, self.accumulate))
 
     def fit(self, prepared, train, **fit_kwargs):
         """Train ``prepared`` on the batched dataset ``train``; return Keras's ``History``."""
-        return prepared.fit(train, shuffle=False, **fit_kwargs)
+        return prepared.fit(self.distribute(train), shuffle=False, **fit_kwargs)
+
+    def distribute(self, dataset):
+        """``dataset`` (batched by the global batch) as this strategy's replicas read it in training."""
+        tf_strategy = self._tf_strategy()
+        return dataset if tf_strategy is None else tf_strategy.experimental_distribute_dataset(dataset)
+
+    def replica_batches(self, dataset):
+        """The images each replica of this process gets in the first step of ``dataset``, as numpy arrays."""
+        x = next(iter(self.distribute(dataset)))[0]
+        tf_strategy = self._tf_strategy()
+        return [part.numpy() for part in (tf_strategy.experimental_local_results(x) if tf_strategy else [x])]
+
+    def probe(self):
+        """A copy of this strategy for a one-step check (``GradientParityCheck``) beside the real run."""
+        return copy.copy(self)
 
     def finalize(self, prepared, model):
         """Copy the trained weights and optimizer state back into the user's ``model``."""

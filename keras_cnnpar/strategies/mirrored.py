@@ -41,10 +41,13 @@ class DataParallel(Strategy):
             The global batch is the same as under ``Single``, so no scaling keeps
             the two comparable; scale when you grow the global batch with the
             replicas.
+        accumulate: micro-batches of ``batch_size`` per step, their mean
+            gradient applied once (see ``Strategy``): one all-reduce per
+            ``accumulate`` micro-batches.
     """
 
-    def __init__(self, devices=None, *, scale_lr=None):
-        super().__init__(steps_per_execution=1)
+    def __init__(self, devices=None, *, scale_lr=None, accumulate=1):
+        super().__init__(steps_per_execution=1, accumulate=accumulate)
         self.devices = check_devices(len(tf.config.list_physical_devices("GPU")) or 2 if devices is None else devices)
         self.scale_lr = check_scale_lr(scale_lr)
 

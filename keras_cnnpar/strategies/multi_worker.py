@@ -75,13 +75,16 @@ class MultiWorker(Strategy):
             every collective operation (then ``PeerLost`` is raised).
         scale_lr: ``"linear"``, ``"sqrt"`` or ``None`` (default), as in
             :class:`DataParallel`.
+        accumulate: micro-batches of ``batch_size`` per step, as in
+            :class:`DataParallel`: one all-reduce per ``accumulate`` micro-batches.
     """
 
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
 
-    def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None):
-        super().__init__(steps_per_execution=1)
+    def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
+                 accumulate=1):
+        super().__init__(steps_per_execution=1, accumulate=accumulate)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -120,6 +123,9 @@ class MultiWorker(Strategy):
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
         return self._strategy.experimental_distribute_dataset(dataset.with_options(options))
+
+    def probe(self):
+        raise NotImplementedError("a one-step probe beside the run would need every worker to take part")
 
     def prepare(self, model):
         prepared = super().prepare(model)

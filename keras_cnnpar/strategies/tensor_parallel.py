@@ -161,6 +161,11 @@ class Hybrid(ChannelSharded):
     def num_replicas(self):
         return self.data
 
+    def replica_batches(self, dataset):
+        """The batch-axis shards of the first batch: contiguous rows, as the ``"batch"`` layout splits them."""
+        x = next(iter(dataset))[0].numpy()
+        return np.array_split(x, self.data) if len(x) % self.data == 0 else [x] * self.data
+
 
 def _steps(sharded, optimizer, loss_fn):
     """The training and test steps, each one ``tf.function`` on the mesh; both return (loss, predictions)."""

@@ -1,0 +1,219 @@
+"""The parity protocol as Keras callbacks: gradient parity with Single, input sharding, and the step-time split.
+
+The original project checked parity before it trusted a speedup: a first-step
+gradient difference near 1e-6 is float noise, one near 1e-2 is a bug. These
+callbacks make the checks part of a run (``cnnpar train --checks``, and every
+run of ``cnnpar sweep``). Each measures before training starts and adds its
+figures to every epoch's logs, so they land in the run's CSV; put them before
+``RunLogger`` (``cnnpar.fit`` adds that last).
+
+Example:
+
+>>> import keras_cnnpar as cnnpar
+>>> cnnpar.devices.configure(2)
+['/device:CPU:0', '/device:CPU:1']
+>>> model = cnnpar.models.cnn("3+3")
+>>> digits = cnnpar.data.load()
+>>> x, y = digits.x[:256], digits.y[:256]
+>>> strategy = cnnpar.DataParallel(devices=2)
+>>> checks = [GradientParityCheck(model, strategy, x[:64], y[:64]), ShardCheck(strategy, x, y, 64),
+...           StepTimeSplit(model, x[:64], y[:64])]
+>>> history = model.fit(x, y, batch_size=64, strategy=strategy, callbacks=checks, results_dir=None, verbose=0)
+>>> history.history["grad_parity_verdict"], history.history["shard_overlap"]
+(['pass'], [0.0])
+"""
+
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_cnnpar import data as data_lib
+from keras_cnnpar import strategies
+
+#: Largest max-abs first-step gradient difference that passes (float noise is ~1e-6; a bug is ~1e-2).
+PARITY_TOLERANCE = 1e-4
+
+
+class ShardCheckFailed(RuntimeError):
+    """Two replicas received the same examples: the input is not sharded."""
+
+
+class GradientParityCheck(keras.callbacks.Callback):
+    """Compares the strategy's first-step gradients with Single's, from the same weights and batch.
+
+    Before training, a copy of ``model`` (dropout off, plain SGD with learning
+    rate 1) takes one step on ``(x, y)`` under a probe copy of ``strategy``;
+    the change of its weights, divided by the strategy's learning-rate factor,
+    is the gradient the strategy applied. The reference is the gradient of the
+    same loss on one device. The logs get ``grad_parity_max_abs_diff`` and
+    ``grad_parity_verdict`` (``pass`` within ``tolerance``, else ``FAIL``;
+    ``n/a`` for a strategy that cannot run a probe, such as multi-worker).
+
+    Args:
+        model: the user's model, before training.
+        strategy: the strategy of the run (an object or an alias).
+        x, y: one batch.
+        tolerance: the largest max-abs difference that passes.
+    """
+
+    def __init__(self, model, strategy, x, y, tolerance=PARITY_TOLERANCE):
+        super().__init__()
+        self.reference, self.strategy, self.x, self.y = model, strategies.resolve(strategy), x, y
+        self.tolerance = tolerance
+        self.difference, self.verdict = float("nan"), "n/a"
+
+    def on_train_begin(self, logs=None):
+        try:
+            probe = self.strategy.probe()
+        except NotImplementedError:
+            return
+        self.difference = gradient_difference(self.reference, probe, self.x, self.y)
+        self.verdict = "pass" if self.difference <= self.tolerance else "FAIL"
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs.update(grad_parity_max_abs_diff=self.difference, grad_parity_verdict=self.verdict)
+
+
+def gradient_difference(model, strategy, x, y):
+    """Max abs difference between the gradient ``strategy`` applies in one step on ``(x, y)`` and Single's."""
+    from keras_cnnpar import training
+
+    reference = _sgd_copy(model)
+    with tf.GradientTape() as tape:
+        loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True), training=True)
+    expected = [g.numpy() for g in tape.gradient(loss, reference.trainable_variables)]
+    probe = _sgd_copy(model)
+    before = [v.numpy() for v in probe.trainable_variables]
+    training.fit(probe, x, y, strategy=strategy, batch_size=len(x), epochs=1, shuffle=False, verbose=0,
+                 results_dir=None)
+    applied = [(b - v.numpy()) / strategy.lr_factor() for b, v in zip(before, probe.trainable_variables)]
+    return max(float(np.max(np.abs(a - e))) for a, e in zip(applied, expected))
+
+
+def _sgd_copy(model):
+    """A copy of ``model`` with its weights, dropout off, compiled with plain SGD (learning rate 1) and its loss."""
+    def without_dropout(layer):
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.Dropout):
+            config["rate"] = 0.0
+        return layer.__class__.from_config(config)
+
+    copy = keras.models.clone_model(model, clone_function=without_dropout)
+    copy.set_weights(model.get_weights())
+    copy.compile(optimizer=keras.optimizers.SGD(1.0), loss=model.loss)
+    return copy
+
+
+class ShardCheck(keras.callbacks.Callback):
+    """Proves that the replicas of a step see different examples; raises ``ShardCheckFailed`` when they do not.
+
+    Before training it reads the first batch of the run's input pipeline the
+    way ``strategy`` distributes it, and compares the examples of every pair of
+    replicas. Overlap means the replicas compute the same gradient, so the
+    extra devices add no data. The logs get ``shard_overlap``: the largest
+    share of one replica's examples that another replica also got (0.0 when
+    the input is sharded; NaN for one replica, or for a strategy whose workers
+    read their own streams, such as async-ps).
+
+    Args:
+        strategy: the strategy of the run.
+        x, y: the training data.
+        batch_size: the global batch.
+    """
+
+    def __init__(self, strategy, x, y, batch_size):
+        super().__init__()
+        self.strategy, self.x, self.y, self.batch_size = strategies.resolve(strategy), x, y, batch_size
+        self.overlap = float("nan")
+
+    def on_train_begin(self, logs=None):
+        dataset = data_lib.pipeline(self.x, self.y, self.batch_size, seed=self.strategy.shuffle_seed)
+        try:
+            batches = self.strategy.replica_batches(dataset)
+        except NotImplementedError:
+            return
+        if len(batches) < 2:
+            return
+        self.overlap = max_overlap(batches)
+        if self.overlap > 0:
+            raise ShardCheckFailed(
+                f"ShardCheck: replicas of {self.strategy!r} received the same examples in the first step (up to "
+                f"{self.overlap:.0%} of a replica's batch is also another's); the input is not sharded, so the "
+                f"extra devices add no data. Received: replica batch sizes {[len(b) for b in batches]}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["shard_overlap"] = self.overlap
+
+
+def max_overlap(batches):
+    """The largest share of one batch's rows that another batch also holds.
+
+    >>> import numpy as np
+    >>> a, b = np.arange(6.).reshape(3, 2), np.arange(6., 12.).reshape(3, 2)
+    >>> max_overlap([a, b]), max_overlap([a, a])
+    (0.0, 1.0)
+    """
+    rows = [{row.tobytes() for row in np.reshape(b, (len(b), -1))} for b in batches]
+    return max((len(rows[i] & rows[j]) / max(len(rows[i]), 1)
+                for i in range(len(rows)) for j in range(len(rows)) if i != j), default=0.0)
+
+
+class StepTimeSplit(keras.callbacks.Callback):
+    """Splits the measured step time into compute and synchronization.
+
+    Before training it times forward and backward of one global batch
+    ``(x, y)`` on one device with no strategy (the median of ``repeats``): the
+    compute a step needs. Each epoch, the step time is the training time over
+    its steps (validation excluded), and the rest (gradient sync, parameter
+    traffic, pipeline bubbles, dispatch) is ``sync_seconds``. The logs get
+    ``step_seconds``, ``compute_seconds``, ``sync_seconds`` and
+    ``sync_fraction``.
+
+    Args:
+        model: the user's model.
+        x, y: one global batch.
+        repeats: timed runs of the compute step.
+    """
+
+    def __init__(self, model, x, y, repeats=5):
+        super().__init__()
+        self.reference, self.x, self.y, self.repeats = model, x, y, repeats
+        self.compute = float("nan")
+
+    def on_train_begin(self, logs=None):
+        copy = _sgd_copy(self.reference)
+        x, y = tf.constant(self.x), tf.constant(self.y)
+
+        @tf.function
+        def forward_backward():
+            with tf.GradientTape() as tape:
+                loss = copy.compute_loss(x=x, y=y, y_pred=copy(x, training=True), training=True)
+            return tape.gradient(loss, copy.trainable_variables)
+
+        forward_backward()
+        times = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            [g.numpy() for g in forward_backward()]
+            times.append(time.perf_counter() - start)
+        self.compute = float(np.median(times))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.start, self.steps, self.train_seconds = time.perf_counter(), 0, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps = batch + 1
+
+    def on_test_begin(self, logs=None):
+        self.train_seconds = self.train_seconds or time.perf_counter() - self.start
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or not self.steps:
+            return
+        step = (self.train_seconds or time.perf_counter() - self.start) / self.steps
+        logs.update(step_seconds=step, compute_seconds=self.compute, sync_seconds=max(step - self.compute, 0.0),
+                    sync_fraction=max(step - self.compute, 0.0) / step)

@@ -1,0 +1,60 @@
+"""The parity protocol's checks catch planted bugs, and gradient accumulation equals a larger batch."""
+
+import pytest
+import tensorflow as tf
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import checks, rebuild
+from tests.conftest import build_small_cnn, max_weight_difference
+
+
+class SummedReplicaGradients(cnnpar.DataParallel):
+    """Planted bug: the update applies the sum of the replicas' gradients instead of their mean."""
+
+    def prepare(self, model):
+        return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.num_replicas, steps_per_execution=1)
+
+
+class SameBatchOnEveryReplica(cnnpar.DataParallel):
+    """Planted bug: every replica gets the first half of the global batch."""
+
+    def distribute(self, dataset):
+        def first_half_twice(x, y):
+            half = tf.shape(x)[0] // 2
+            return tf.concat([x[:half], x[:half]], 0), tf.concat([y[:half], y[:half]], 0)
+
+        return super().distribute(dataset.map(first_half_twice))
+
+
+@pytest.mark.parametrize("strategy, verdict", [(cnnpar.DataParallel(2), "pass"), (SummedReplicaGradients(2), "FAIL"),
+                                               (cnnpar.ChannelSharded(2), "pass")], ids=repr)
+def test_gradient_parity_check_passes_correct_strategies_and_catches_a_scaling_bug(strategy, verdict, digits):
+    check = checks.GradientParityCheck(build_small_cnn(), strategy, digits.x[:64], digits.y[:64])
+    check.on_train_begin()
+    assert check.verdict == verdict
+    if verdict == "pass":
+        assert check.difference < 1e-5
+    else:
+        assert check.difference > 1e-2
+
+
+def test_shard_check_passes_sharded_input_and_fails_loudly_on_the_same_batch(digits):
+    x, y = digits.x[:256], digits.y[:256]
+    good = checks.ShardCheck(cnnpar.DataParallel(2), x, y, 64)
+    good.on_train_begin()
+    assert good.overlap == 0.0
+    model = build_small_cnn()
+    with pytest.raises(checks.ShardCheckFailed, match=r"^ShardCheck: replicas of <DataParallel devices=2 "
+                                                       r"scale_lr=None> received the same examples in the first step"):
+        model.fit(x, y, batch_size=64, verbose=0, results_dir=None, strategy=SameBatchOnEveryReplica(2),
+                  callbacks=[checks.ShardCheck(SameBatchOnEveryReplica(2), x, y, 64)])
+
+
+def test_accumulating_two_steps_equals_one_step_on_twice_the_batch(digits):
+    x, y = digits.x[:64], digits.y[:64]
+    once, accumulated = build_small_cnn(), build_small_cnn()
+    cnnpar.fit(once, x, y, strategy="single", batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    cnnpar.fit(accumulated, x, y, strategy=cnnpar.DataParallel(2, accumulate=2), batch_size=32, shuffle=False,
+               verbose=0, results_dir=None)
+    assert max_weight_difference(once, build_small_cnn()) > 1e-3
+    assert max_weight_difference(once, accumulated) < 1e-5
