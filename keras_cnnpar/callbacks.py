@@ -111,7 +111,7 @@ class RunLogger(keras.callbacks.Callback):
         train_seconds = (self._train_end or now) - self._epoch_start
         samples = self.info.samples_per_epoch
         row = {
-            **{key: float(value) for key, value in (logs or {}).items()},
+            **{key: value if isinstance(value, str) else float(value) for key, value in (logs or {}).items()},
             "epoch": epoch + 1,
             "timestamp": _now(),
             "epoch_seconds": round(now - self._epoch_start, 6),

@@ -23,6 +23,7 @@ Example:
 (['pass'], [0.0])
 """
 
+import sys
 import time
 
 import keras
@@ -49,7 +50,8 @@ class GradientParityCheck(keras.callbacks.Callback):
     is the gradient the strategy applied. The reference is the gradient of the
     same loss on one device. The logs get ``grad_parity_max_abs_diff`` and
     ``grad_parity_verdict`` (``pass`` within ``tolerance``, else ``FAIL``;
-    ``n/a`` for a strategy that cannot run a probe, such as multi-worker).
+    ``n/a`` for a strategy that cannot run a probe, such as multi-worker;
+    ``error: ...`` when the probe failed, which is also printed).
 
     Args:
         model: the user's model, before training.
@@ -69,7 +71,12 @@ class GradientParityCheck(keras.callbacks.Callback):
             probe = self.strategy.probe()
         except NotImplementedError:
             return
-        self.difference = gradient_difference(self.reference, probe, self.x, self.y)
+        try:
+            self.difference = gradient_difference(self.reference, probe, self.x, self.y)
+        except Exception as error:  # the check must not end the run it checks
+            self.verdict = f"error: {type(error).__name__}"
+            print(f"GradientParityCheck could not run a probe step under {self.strategy!r}: {error}", file=sys.stderr)
+            return
         self.verdict = "pass" if self.difference <= self.tolerance else "FAIL"
 
     def on_epoch_end(self, epoch, logs=None):

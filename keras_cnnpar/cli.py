@@ -6,12 +6,14 @@ logical devices can be created before TensorFlow starts its runtime.
 
 import os
 import sys
+import time
 
 import click
 
 from keras_cnnpar import __version__
 
 MODELS = ["2+2", "3+3"]
+STRATEGIES = ["single", "mirrored", "multi-worker", "async-ps", "layers", "channels", "hybrid"]
 
 
 def _quiet_tensorflow():
@@ -28,6 +30,9 @@ def main():
       cnnpar train --model 2+2 --epochs 3                    # Single, embedded mnist-5k
       cnnpar train --strategy mirrored --devices 2           # sync data parallel
       cnnpar train --strategy multi-worker --workers 2       # 2 worker processes on loopback
+      cnnpar train --strategy hybrid --mesh 2x2 --checks     # DTensor mesh, with parity checks
+      cnnpar sweep --models 2+2 --strategies single,mirrored --devices 1,2
+      cnnpar report --results results                       # table, summary.md, plots
       cnnpar data kaggle --out data                          # Kaggle-format CSVs
       cnnpar train --data data/train.csv --results results
     """
@@ -66,6 +71,12 @@ def main():
               help="For multi-worker: seconds a worker waits for its peers, at the start and in every "
                    "all-reduce, before failing (default 60). For async-ps: seconds to wait for the servers of "
                    "--cluster to answer (default 30).")
+@click.option("--accumulate", type=click.IntRange(min=1), default=None,
+              help="For single, mirrored and multi-worker: micro-batches of --batch-size per step, their mean "
+                   "gradient applied (and synced) once.")
+@click.option("--checks", is_flag=True,
+              help="Run the parity protocol's checks: first-step gradient parity with single, input sharding, "
+                   "and the compute/sync split of the step time; their figures go into the epoch CSV.")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")
@@ -89,7 +100,7 @@ def main():
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
-          epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose,
+          accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose,
           export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
@@ -109,12 +120,12 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     elif workers is not None and not strategies.accepts(strategy_name, "workers"):
         raise click.BadParameter(f"--workers is for --strategy multi-worker or async-ps. "
                                  f"Received: --strategy {strategy_name}", param_hint="--workers")
-    import time
 
     import keras
 
     from keras_cnnpar import data as data_lib
     from keras_cnnpar import devices as device_lib
+    from keras_cnnpar import checks as checks_lib
     from keras_cnnpar import models, training
 
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
@@ -123,7 +134,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0], model=mesh and mesh[1],
                                      microbatches=microbatches, workers=workers,
                                      ps=ps, cluster=cluster_spec, resume=resume, checkpoint_dir=checkpoint_dir,
-                                     timeout=timeout, scale_lr=scale_lr)
+                                     timeout=timeout, scale_lr=scale_lr, accumulate=accumulate)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
     except ConnectionError as error:
@@ -146,12 +157,13 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     try:
         history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
                                batch_size=batch_size, validation_data=validation, verbose=verbose,
-                               results_dir=None if no_log else results_dir)
+                               results_dir=None if no_log else results_dir,
+                               callbacks=_checks(model, strategy, train_part, batch_size) if checks else None)
     except strategies.Preempted as preempted:
         click.echo(f"preempted: {preempted}", err=True)
         raise
-    except strategies.PeerLost as lost:
-        raise click.ClickException(str(lost)) from None
+    except (strategies.PeerLost, checks_lib.ShardCheckFailed) as error:
+        raise click.ClickException(str(error)) from None
     if not strategy.is_chief:
         return
     if not no_log:
@@ -163,6 +175,14 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _checks(model, strategy, train_part, batch_size):
+    from keras_cnnpar import checks
+
+    x, y = train_part.x[:batch_size], train_part.y[:batch_size]
+    return [checks.GradientParityCheck(model, strategy, x, y),
+            checks.ShardCheck(strategy, train_part.x, train_part.y, batch_size), checks.StepTimeSplit(model, x, y)]
 
 
 def _mesh(value):
@@ -214,7 +234,8 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
              results_dir):
     from keras_cnnpar import models
 
-    final = "  ".join(f"{key} {values[-1]:.4f}" for key, values in sorted(history.history.items()))
+    final = "  ".join(f"{key} {values[-1]}" if isinstance(values[-1], str) else f"{key} {values[-1]:.4f}"
+                      for key, values in sorted(history.history.items()))
     lines = [
         "",
         "Run summary",
@@ -252,6 +273,84 @@ def _export(model, base_dir, version, force):
         raise click.ClickException(str(error)) from None
     click.echo(f"exported {target} (signature serving_default: pixels [N, 784] -> probabilities, class; "
                f"verified in a fresh process)")
+
+
+def _csv_list(kind, choices=None):
+    def parse(ctx, param, value):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        try:
+            items = [kind(v) for v in items]
+        except ValueError:
+            raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}. Received: {value}") from None
+        bad = [v for v in items if choices is not None and v not in choices]
+        if bad or not items:
+            raise click.BadParameter(f"expected a comma-separated list of {sorted(choices) if choices else kind.__name__}."
+                                     f" Received: {value}")
+        return items
+
+    return parse
+
+
+@main.command()
+@click.option("--models", "model_kinds", default="2+2,3+3", show_default=True, callback=_csv_list(str, MODELS),
+              help="Comma-separated model kinds.")
+@click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
+              show_default=True, callback=_csv_list(str, STRATEGIES), help="Comma-separated strategy names.")
+@click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int),
+              help="Comma-separated device counts (workers for async-ps and multi-worker).")
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--data", "source", default="mnist-5k", show_default=True, help="As for `cnnpar train`.")
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results", show_default=True)
+@click.option("--timeout", type=click.IntRange(min=1), default=1800, show_default=True,
+              help="Seconds one configuration may run.")
+def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source, results_dir, timeout):
+    """Train every valid model x strategy x devices combination, each in a fresh process, with the checks on.
+
+    Combinations a strategy cannot run are skipped with the reason. A
+    configuration already complete in RESULTS/runs.csv (same epochs and
+    batch) is skipped, so an interrupted sweep resumes. A failing
+    configuration is recorded in RESULTS/sweep.csv and the sweep goes on; the
+    command exits 1 when any failed. Then run `cnnpar report`.
+    """
+    from keras_cnnpar import experiments
+
+    configs, skipped = experiments.plan(model_kinds, strategy_names, device_counts)
+    for reason in skipped:
+        click.echo(f"skip {reason}")
+    failed = []
+    with click.progressbar(configs, label="sweep", item_show_func=lambda c: str(c) if c else "") as bar:
+        for config in bar:
+            if experiments.completed(config, results_dir, epochs, batch_size):
+                experiments.record(results_dir, config, "already complete", 0.0)
+                continue
+            started = time.perf_counter()
+            code, tail = experiments.run_config(config, epochs=epochs, batch_size=batch_size, source=source,
+                                                results_dir=results_dir, timeout=timeout)
+            experiments.record(results_dir, config, "done" if code == 0 else f"failed ({code})",
+                               time.perf_counter() - started, "" if code == 0 else tail)
+            if code != 0:
+                failed.append(config)
+                click.echo(f"\n{config} failed with exit code {code}:\n{tail}", err=True)
+    click.echo(f"{len(configs) - len(failed)} of {len(configs)} configurations complete in {results_dir}; "
+               f"{len(failed)} failed (see sweep.csv)")
+    if failed:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results", show_default=True)
+def report(results_dir):
+    """Summarize RESULTS: a table (printed, summary.csv, summary.md) and plots, flagging efficiency below 80%."""
+    from keras_cnnpar import experiments
+
+    try:
+        _, markdown = experiments.write_report(results_dir)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(markdown)
+    click.echo(f"\nwrote summary.csv, summary.md, accuracy.png, throughput.png, speedup.png, efficiency.png "
+               f"in {results_dir}")
 
 
 @main.command("export")

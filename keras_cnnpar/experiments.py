@@ -1,0 +1,256 @@
+"""Sweeps over models x strategies x device counts, and the report that reads their results back.
+
+The original protocol: every configuration gets its own CSV; speedup is T1/TN
+against the same model's Single run; efficiency is speedup / N, and below 80%
+means: check the input pipeline and the gradient sync before trusting the
+figures; parity is checked first.
+
+Example:
+
+>>> [(c.model, c.strategy, c.devices) for c in plan(["2+2"], ["single", "mirrored"], [1, 2])[0]]
+[('2+2', 'single', 1), ('2+2', 'mirrored', 2)]
+>>> plan(["2+2"], ["single", "hybrid"], [2])[1]
+['single on 2 devices: single runs on 1 device', 'hybrid on 2 devices: hybrid needs an even device count of at least 4 (a DATA x 2 mesh)']
+"""
+
+import csv
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from keras_cnnpar import models
+
+#: Summary columns, in order.
+SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
+                   "parity", "grad_parity_max_abs_diff", "compute_seconds", "sync_seconds", "sync_fraction", "flag"]
+EFFICIENCY_FLOOR = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration of a sweep."""
+
+    model: str
+    strategy: str
+    devices: int
+
+    def train_args(self):
+        """The ``cnnpar train`` options that select this configuration's strategy and devices."""
+        if self.strategy == "single":
+            return []
+        if self.strategy in ("async-ps", "multi-worker"):
+            return ["--workers", str(self.devices)]
+        if self.strategy == "hybrid":
+            return ["--mesh", f"{self.devices // 2}x2"]
+        return ["--devices", str(self.devices)]
+
+    def __str__(self):
+        return f"{self.model} {self.strategy} on {self.devices} device{'s' * (self.devices > 1)}"
+
+
+def invalid(strategy, devices):
+    """Why ``strategy`` cannot run on ``devices`` devices, or None.
+
+    >>> invalid("mirrored", 1)
+    'mirrored needs at least 2 devices'
+    """
+    if strategy == "single":
+        return None if devices == 1 else "single runs on 1 device"
+    if strategy == "hybrid":
+        return None if devices >= 4 and devices % 2 == 0 else \
+            "hybrid needs an even device count of at least 4 (a DATA x 2 mesh)"
+    return None if devices >= 2 else f"{strategy} needs at least 2 devices"
+
+
+def plan(model_kinds, strategy_names, device_counts):
+    """``(valid configurations, skip reasons)`` for every combination."""
+    valid, skipped = [], []
+    for kind in model_kinds:
+        for strategy in strategy_names:
+            for devices in device_counts:
+                reason = invalid(strategy, devices)
+                if reason is None:
+                    valid.append(Config(kind, strategy, devices))
+                elif kind == model_kinds[0]:
+                    skipped.append(f"{strategy} on {devices} devices: {reason}")
+    return valid, skipped
+
+
+def completed(config, results_dir, epochs, batch_size):
+    """Whether ``runs.csv`` holds a finished run of ``config`` with these epochs and batch."""
+    rows = _read_csv(Path(results_dir) / "runs.csv")
+    return any(r["model"] == models.MODEL_NAMES[config.model] and r["strategy"] == config.strategy
+               and r["devices"] == str(config.devices) and r["global_batch"] == str(batch_size)
+               and r["epochs"] == str(epochs) for r in rows)
+
+
+def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800):
+    """Train ``config`` in a fresh process with the checks on; return ``(returncode, last output lines)``."""
+    command = [sys.executable, "-m", "keras_cnnpar.cli", "train", "--model", config.model, "--strategy",
+               config.strategy, *config.train_args(), "--epochs", str(epochs), "--batch-size", str(batch_size),
+               "--data", source, "--results", str(results_dir), "--checks", "--verbose", "0"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, f"timed out after {timeout} s"
+    return done.returncode, "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+
+
+def record(results_dir, config, status, seconds, detail=""):
+    """Append a line for ``config`` to ``sweep.csv`` (the sweep's own record, failures included)."""
+    path = Path(results_dir) / "sweep.csv"
+    new = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", newline="", encoding="utf-8") as file:
+        writer = csv.writer(file)
+        if new:
+            writer.writerow(["timestamp", "model", "strategy", "devices", "status", "seconds", "detail"])
+        writer.writerow([time.strftime("%Y-%m-%dT%H:%M:%S"), config.model, config.strategy, config.devices, status,
+                         round(seconds, 1), detail.replace("\n", " | ")])
+
+
+def summarize(results_dir):
+    """One summary row per configuration (its latest run) from ``runs.csv`` and the epoch CSVs."""
+    results_dir = Path(results_dir)
+    latest = {}
+    for row in _read_csv(results_dir / "runs.csv"):
+        latest[row["model"], row["strategy"], row["devices"]] = row
+    single = {model: float(r["images_per_second"]) for (model, strategy, _), r in latest.items()
+              if strategy == "single" and r["images_per_second"]}
+    rows = []
+    for (model, strategy, devices), run in latest.items():
+        epochs = _read_csv(results_dir / run["epoch_csv"])
+        last = epochs[-1] if epochs else {}
+        throughput = float(run["images_per_second"]) if run["images_per_second"] else math.nan
+        speedup = throughput / single[model] if model in single else math.nan
+        row = {"model": model, "strategy": strategy, "devices": int(devices), "images_per_second": throughput,
+               "speedup": speedup, "efficiency": speedup / int(devices), "val_accuracy": _number(run["val_accuracy"]),
+               "parity": last.get("grad_parity_verdict", "") or "n/a",
+               **{key: _number(last.get(key, "")) for key in
+                  ("grad_parity_max_abs_diff", "compute_seconds", "sync_seconds", "sync_fraction")}}
+        row["flag"] = likely_cause(row)
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["model"], r["strategy"] != "single", r["strategy"], r["devices"]))
+
+
+def likely_cause(row):
+    """Why a configuration's efficiency is below the floor, from its measured split; empty when it is not.
+
+    >>> likely_cause({"strategy": "mirrored", "efficiency": 0.4, "sync_fraction": 0.7, "parity": "pass"})
+    'efficiency 40% < 80%: synchronization takes 70% of the step: check the gradient sync'
+    """
+    if row["strategy"] == "single" or not row["efficiency"] < EFFICIENCY_FLOOR:
+        return "" if row.get("parity") != "FAIL" else "gradient parity FAILED: a bug, not noise"
+    head = f"efficiency {row['efficiency']:.0%} < {EFFICIENCY_FLOOR:.0%}: "
+    share = row.get("sync_fraction", math.nan)
+    if math.isnan(share):
+        return head + "no compute/sync split measured"
+    if share > 0.5:
+        return head + f"synchronization takes {share:.0%} of the step: check the gradient sync"
+    return head + (f"compute takes {1 - share:.0%} of the step: the devices share the same cores, or the "
+                   f"input pipeline starves them")
+
+
+def write_report(results_dir):
+    """Write ``summary.csv``, ``summary.md`` and the plots into ``results_dir``; return the rows and the Markdown."""
+    results_dir = Path(results_dir)
+    rows = summarize(results_dir)
+    if not rows:
+        raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
+                         f"Received: --results {results_dir}")
+    _write_atomic(results_dir / "summary.csv", _csv_text(rows))
+    markdown = markdown_table(rows)
+    _write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
+    plot(results_dir, rows)
+    return rows, markdown
+
+
+def markdown_table(rows):
+    """The summary rows as a Markdown table."""
+    header = "| " + " | ".join(SUMMARY_COLUMNS) + " |"
+    lines = [header, "|" + "---|" * len(SUMMARY_COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row[c]) for c in SUMMARY_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot(results_dir, rows):
+    """``accuracy.png`` (validation accuracy per epoch), ``throughput.png``, ``speedup.png`` and ``efficiency.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    kinds = sorted({r["model"] for r in rows})
+    figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+    runs = {(r["model"], r["strategy"], r["devices"]): r for r in _read_csv(Path(results_dir) / "runs.csv")}
+    for axis, kind in zip(axes[0], kinds):
+        for (model, strategy, devices), run in sorted(runs.items()):
+            if model == kind:
+                epochs = _read_csv(Path(results_dir) / run["epoch_csv"])
+                axis.plot([int(e["epoch"]) for e in epochs], [_number(e.get("val_accuracy", "")) for e in epochs],
+                          marker="o", label=f"{strategy} x{devices}")
+        axis.set(title=kind, xlabel="epoch", ylabel="validation accuracy")
+        axis.legend(fontsize=7)
+    _save(figure, Path(results_dir) / "accuracy.png")
+    for column, label in (("images_per_second", "images/s"), ("speedup", "speedup vs single"),
+                          ("efficiency", "efficiency (speedup / N)")):
+        figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+        for axis, kind in zip(axes[0], kinds):
+            chosen = [r for r in rows if r["model"] == kind]
+            axis.bar([f"{r['strategy']}\nx{r['devices']}" for r in chosen], [r[column] for r in chosen])
+            if column == "efficiency":
+                axis.axhline(EFFICIENCY_FLOOR, color="red", linestyle="--", linewidth=1)
+            axis.set(title=kind, ylabel=label)
+            axis.tick_params(axis="x", labelsize=7)
+        _save(figure, Path(results_dir) / f"{column.replace('images_per_second', 'throughput')}.png")
+
+
+def _save(figure, path):
+    figure.tight_layout()
+    partial = path.with_name(path.stem + ".partial.png")
+    figure.savefig(partial, dpi=100)
+    os.replace(partial, path)
+    from matplotlib import pyplot
+
+    pyplot.close(figure)
+
+
+def _read_csv(path):
+    if not Path(path).exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+def _number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _cell(value):
+    if isinstance(value, float):
+        return "" if math.isnan(value) else (f"{value:.3g}" if abs(value) < 10 else f"{value:.0f}")
+    return str(value)
+
+
+def _csv_text(rows):
+    import io
+
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, SUMMARY_COLUMNS)
+    writer.writeheader()
+    writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
+    return buffer.getvalue()
+
+
+def _write_atomic(path, text):
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
