@@ -186,8 +186,8 @@ class ChannelShardedConv2D(ShardedLayer):
                                  f"{key}={config[key]!r}. Received: {key}={config[key]!r}")
         self.strides = tuple(layer.strides)
         self.padding = layer.padding
-        #: False for a first layer, whose input (the images) needs no gradient.
-        self.input_gradient = True
+        #: How ``conv_as_matmul`` computes the input gradient: the mode's best, or None for a first layer.
+        self.input_gradient = "im2col" if mode == "column" else "col2im"
         super().__init__(layer, mesh, mode, tuple(layer.kernel.shape))
 
     def __call__(self, x, training=False):
@@ -264,29 +264,51 @@ def windows(x, window, strides):
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
 
 
-def conv_as_matmul(x, kernel, strides=(1, 1), input_gradient=True):
-    """Valid convolution of padded ``x`` with ``kernel`` as one matmul; stride 1 gets a hand-written gradient
-    (without the input's part when ``input_gradient`` is False)."""
+def conv_as_matmul(x, kernel, strides=(1, 1), input_gradient="im2col"):
+    """Valid convolution of padded ``x`` (NHWC) with ``kernel`` as one matmul of the stacked windows (im2col).
+
+    With stride 1 the gradient is hand-written. ``input_gradient`` chooses how
+    the input's part is computed: ``"im2col"`` stacks the windows of the padded
+    output gradient (the best fit for a kernel sharded on output channels: the
+    contraction runs over the sharded axis and only the input-sized result is
+    all-reduced); ``"col2im"`` multiplies the output gradient by the kernel and
+    adds the ``kh*kw`` shifted pieces back (the best fit for a kernel sharded
+    on input channels: no communication at all); ``None`` skips it (a first
+    layer, whose input needs no gradient).
+
+    >>> import numpy as np, tensorflow as tf
+    >>> x, k = tf.random.normal((2, 9, 9, 3)), tf.random.normal((3, 3, 3, 4))
+    >>> bool(np.allclose(conv_as_matmul(x, k), tf.nn.conv2d(x, k, 1, "VALID"), atol=1e-4))
+    True
+    """
     kh, kw, cin, cout = kernel.shape
 
     def forward(x, kernel):
         stacked = tf.stack(windows(x, (kh, kw), strides), axis=3)  # b, oh, ow, kh*kw, cin
-        return tf.einsum("bhwkc,kco->bhwo", stacked, tf.reshape(kernel, [kh * kw, cin, cout])), stacked
+        matrix = tf.reshape(kernel, [kh * kw, cin, cout])
+        return tf.einsum("bhwkc,kco->bhwo", stacked, matrix), stacked, matrix
 
     if strides != (1, 1):
         return forward(x, kernel)[0]
 
     @tf.custom_gradient
     def conv(x, kernel):
-        y, stacked = forward(x, kernel)
+        y, stacked, matrix = forward(x, kernel)
 
         def gradient(dy):
             d_kernel = tf.reshape(tf.einsum("bhwkc,bhwo->kco", stacked, dy), kernel.shape)
-            if not input_gradient:
+            if input_gradient is None:
                 return tf.zeros_like(x), d_kernel
-            padded = tf.pad(dy, [[0, 0], [kh - 1, kh - 1], [kw - 1, kw - 1], [0, 0]])
-            flipped = tf.stack(windows(padded, (kh, kw), (1, 1))[::-1], axis=3)  # the kernel turned by 180°
-            d_x = tf.einsum("bhwko,kco->bhwc", flipped, tf.reshape(kernel, [kh * kw, cin, cout]))
+            if input_gradient == "col2im":
+                pieces = tf.unstack(tf.einsum("bhwo,kco->bhwkc", dy, matrix), axis=3)
+                height, width = x.shape[1] - dy.shape[1], x.shape[2] - dy.shape[2]
+                offsets = [(i, j) for i in range(kh) for j in range(kw)]
+                d_x = tf.add_n([tf.pad(piece, [[0, 0], [i, height - i], [j, width - j], [0, 0]])
+                                for (i, j), piece in zip(offsets, pieces)])
+            else:
+                padded = tf.pad(dy, [[0, 0], [kh - 1, kh - 1], [kw - 1, kw - 1], [0, 0]])
+                turned = tf.stack(windows(padded, (kh, kw), (1, 1))[::-1], axis=3)  # the kernel turned by 180°
+                d_x = tf.einsum("bhwko,kco->bhwc", turned, matrix)
             return d_x, d_kernel
 
         return y, gradient
