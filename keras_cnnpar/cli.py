@@ -49,7 +49,8 @@ def main():
                    "(a DTensor mesh of batch x channels, see --mesh).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
-                   "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored.")
+                   "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored, 2 for layers and "
+                   "channels.")
 @click.option("--microbatches", type=click.IntRange(min=1), default=None,
               help="For --strategy layers: micro-batches per batch, pipelined across the stages (default 1).")
 @click.option("--mesh", default=None, callback=lambda ctx, param, value: _mesh(value), metavar="DATAxMODEL",
@@ -99,9 +100,9 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir, timeout,
-          accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir, no_log, seed, verbose,
-          export_dir, export_version):
+def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir,
+          timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir,
+          no_log, seed, verbose, export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
@@ -125,8 +126,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
 
     from keras_cnnpar import data as data_lib
     from keras_cnnpar import devices as device_lib
-    from keras_cnnpar import checks as checks_lib
     from keras_cnnpar import models, training
+    from keras_cnnpar.checks import ShardCheckFailed
 
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, "checkpoints")
@@ -162,7 +163,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     except strategies.Preempted as preempted:
         click.echo(f"preempted: {preempted}", err=True)
         raise
-    except (strategies.PeerLost, checks_lib.ShardCheckFailed) as error:
+    except (strategies.PeerLost, ShardCheckFailed) as error:
         raise click.ClickException(str(error)) from None
     if not strategy.is_chief:
         return

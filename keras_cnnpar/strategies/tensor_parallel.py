@@ -53,7 +53,7 @@ class ChannelSharded(Strategy):
     def __init__(self, devices=2):
         super().__init__(steps_per_execution=1)
         self.devices = check_devices(devices)
-        self.sharded = self.optimizer = None
+        self.sharded = self.optimizer = self.loss = None
 
     def __repr__(self):
         return f"<ChannelSharded devices={self.num_devices}>"
@@ -262,12 +262,13 @@ class _MeshOptimizer:
         read a slot back after assigning it: under DTensor a read on the 2-D mesh
         was not ordered after the assignment, and the variable missed its update.
         """
+        iterations = self.iterations.read_value()
         rule = self._sgd if self.kind == "SGD" else self._adam
         for gradient, variable, slots in zip(gradients, variables, self.slots):
-            rule(gradient, variable, slots, learning_rate)
-        self.iterations.assign_add(1)
+            rule(gradient, variable, slots, learning_rate, iterations)
+        self.iterations.assign(iterations + 1)
 
-    def _sgd(self, gradient, variable, slots, learning_rate):
+    def _sgd(self, gradient, variable, slots, learning_rate, iterations):
         if not slots:
             variable.assign_sub(gradient * learning_rate)
             return
@@ -276,9 +277,9 @@ class _MeshOptimizer:
         slots["momentum"].assign(m)
         variable.assign_add(m * momentum - gradient * learning_rate if self.config["nesterov"] else m)
 
-    def _adam(self, gradient, variable, slots, learning_rate):
+    def _adam(self, gradient, variable, slots, learning_rate, iterations):
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        step = tf.cast(self.iterations + 1, tf.float32)
+        step = tf.cast(iterations + 1, tf.float32)
         alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
         m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
         v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
