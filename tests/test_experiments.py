@@ -6,8 +6,9 @@ import sys
 
 import pandas as pd
 import pytest
+from click.testing import CliRunner
 
-from keras_cnnpar import experiments
+from keras_cnnpar import cli, experiments
 
 CLI = [sys.executable, "-m", "keras_cnnpar.cli"]
 
@@ -74,6 +75,6 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 def test_report_without_runs_says_so(tmp_path):
-    done = subprocess.run([*CLI, "report", "--results", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1
-    assert f"no runs to report: {tmp_path / 'runs.csv'} is missing or empty" in done.stderr
+    done = CliRunner().invoke(cli.main, ["report", "--results", str(tmp_path)])
+    assert done.exit_code == 1
+    assert f"no runs to report: {tmp_path / 'runs.csv'} is missing or empty" in done.output

@@ -127,9 +127,9 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
 
 def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epochs(tmp_path):
     results = tmp_path / "results"
-    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results")
+    command = cnnpar_train("--workers", "2", "--epochs", "2", "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # the signal lands early in epoch 2
         os.kill(worker_pid(launcher, 1), signal.SIGTERM)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == cluster.PREEMPTED_EXIT_CODE, output[-3000:]
@@ -143,7 +143,7 @@ def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epoc
     result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
+    assert epoch_column(results / f"{RUN}.csv") == [1, 2]
     assert f"layout resumed from results/checkpoints/{RUN} after epoch {done[-1]}" in \
         (results / "results.log").read_text()
     assert not (results / "checkpoints").exists()
