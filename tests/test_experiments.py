@@ -1,16 +1,12 @@
 """cnnpar sweep and cnnpar report on a small subset: the files, their columns, resuming, and a recorded failure."""
 
 import csv
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 from keras_cnnpar import cli, experiments
-
-CLI = [sys.executable, "-m", "keras_cnnpar.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +28,12 @@ def read(path):
 
 def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, tmp_path):
     results = tmp_path / "results"
-    sweep = [*CLI, "sweep", "--models", "2+2,3+3", "--strategies", "single,mirrored", "--devices", "1,2",
+    sweep = ["sweep", "--models", "2+2,3+3", "--strategies", "single,mirrored", "--devices", "1,2",
              "--epochs", "1", "--batch-size", "32", "--data", str(small_csv), "--results", str(results)]
-    done = subprocess.run(sweep, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "skip single on 2 devices: single runs on 1 device" in done.stdout
-    assert "skip mirrored on 1 devices: mirrored needs at least 2 devices" in done.stdout
+    done = CliRunner().invoke(cli.main, sweep)  # this process plans; every configuration trains in a fresh one
+    assert done.exit_code == 0, done.output[-2000:]
+    assert "skip single on 2 devices: single runs on 1 device" in done.output
+    assert "skip mirrored on 1 devices: mirrored needs at least 2 devices" in done.output
     runs = read(results / "runs.csv")
     assert sorted((r["model"][:17], r["strategy"]) for r in runs) == [
         ("cnn2d_2layer_full", "mirrored"), ("cnn2d_2layer_full", "single"),
@@ -47,12 +43,12 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
             "step_seconds"} <= set(epochs[0])
     assert {r["status"] for r in read(results / "sweep.csv")} == {"done"}
 
-    again = subprocess.run(sweep, capture_output=True, text=True, timeout=600)  # resumes: nothing left to run
-    assert again.returncode == 0
+    again = CliRunner().invoke(cli.main, sweep)  # resumes: nothing left to run
+    assert again.exit_code == 0
     assert [r["status"] for r in read(results / "sweep.csv")][4:] == ["already complete"] * 4
 
-    report = subprocess.run([*CLI, "report", "--results", str(results)], capture_output=True, text=True, timeout=120)
-    assert report.returncode == 0, report.stderr[-2000:]
+    report = CliRunner().invoke(cli.main, ["report", "--results", str(results)])
+    assert report.exit_code == 0, report.output[-2000:]
     summary = read(results / "summary.csv")
     assert list(summary[0]) == experiments.SUMMARY_COLUMNS
     assert {r["parity"] for r in summary} == {"pass"}
@@ -65,13 +61,12 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
 
 def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     results = tmp_path / "results"
-    done = subprocess.run([*CLI, "sweep", "--models", "2+2", "--strategies", "single", "--devices", "1",
-                           "--data", str(tmp_path / "missing.csv"), "--results", str(results)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1
+    done = CliRunner().invoke(cli.main, ["sweep", "--models", "2+2", "--strategies", "single", "--devices", "1",
+                                         "--data", str(tmp_path / "missing.csv"), "--results", str(results)])
+    assert done.exit_code == 1
     [row] = read(results / "sweep.csv")
     assert row["status"] == "failed (2)" and "missing.csv" in row["detail"]
-    assert "0 of 1 configurations complete" in done.stdout
+    assert "0 of 1 configurations complete" in done.output
 
 
 def test_report_without_runs_says_so(tmp_path):

@@ -139,7 +139,7 @@ class ShardedSequential(tf.Module):
             if op is not None:
                 self.layers.append(op)
         if self.sharded_layers and isinstance(self.sharded_layers[0], ChannelShardedConv2D):
-            self.sharded_layers[0].input_gradient = None  # nothing before it has weights
+            self.sharded_layers[0].input_gradient = False  # nothing before it has weights
 
     def _convert(self, layer, index, sharded, folded):
         mode = "row" if sharded else "column"
