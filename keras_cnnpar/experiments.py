@@ -141,7 +141,7 @@ def likely_cause(row):
     """Why a configuration's efficiency is below the floor, from its measured split; empty when it is not.
 
     >>> likely_cause({"strategy": "mirrored", "efficiency": 0.4, "sync_fraction": 0.7, "parity": "pass"})
-    'efficiency 40% < 80%: synchronization takes 70% of the step: check the gradient sync'
+    'efficiency 40% < 80%: 70% of the step is not single-device compute: check the gradient sync and communication'
     """
     if row["strategy"] == "single" or not row["efficiency"] < EFFICIENCY_FLOOR:
         return "" if row.get("parity") != "FAIL" else "gradient parity FAILED: a bug, not noise"
@@ -150,7 +150,7 @@ def likely_cause(row):
     if math.isnan(share):
         return head + "no compute/sync split measured"
     if share > 0.5:
-        return head + f"synchronization takes {share:.0%} of the step: check the gradient sync"
+        return head + f"{share:.0%} of the step is not single-device compute: check the gradient sync and communication"
     return head + (f"compute takes {1 - share:.0%} of the step: the devices share the same cores, or the "
                    f"input pipeline starves them")
 
