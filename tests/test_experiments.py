@@ -52,8 +52,9 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     summary = read(results / "summary.csv")
     assert list(summary[0]) == experiments.SUMMARY_COLUMNS
     assert {r["parity"] for r in summary} == {"pass"}
-    assert all(r["flag"].startswith("efficiency") for r in summary if r["strategy"] == "mirrored" and
-               float(r["efficiency"]) < 0.8)
+    for row in summary:  # flagged exactly when a multi-device run is below 80% efficiency
+        low = row["strategy"] != "single" and float(row["efficiency"]) < 0.8
+        assert row["flag"].startswith("efficiency") == low, row
     assert "| model | strategy | devices |" in (results / "summary.md").read_text()
     for plot in ("accuracy.png", "throughput.png", "speedup.png", "efficiency.png"):
         assert (results / plot).stat().st_size > 1000

@@ -58,21 +58,16 @@ def activation_layout(mesh, shape, channels_sharded=False):
     return dtensor.Layout([batch, *rest], mesh)
 
 
-def replicated(mesh, rank):
-    """The layout of a rank-``rank`` tensor held whole on every device of ``mesh``."""
-    return dtensor.Layout.replicated(mesh, rank)
-
-
 def to_mesh(value, layout):
     """A DTensor of ``value`` (numpy or a local tensor) laid out as ``layout``."""
-    whole = dtensor.copy_to_mesh(tf.convert_to_tensor(value), replicated(layout.mesh, layout.rank))
+    whole = dtensor.copy_to_mesh(tf.convert_to_tensor(value), dtensor.Layout.replicated(layout.mesh, layout.rank))
     return whole if layout.is_fully_replicated() else dtensor.relayout(whole, layout)
 
 
 def to_numpy(value):
     """The whole value of a DTensor (any layout) as numpy."""
     layout = dtensor.fetch_layout(value)
-    return dtensor.unpack(dtensor.relayout(value, replicated(layout.mesh, layout.rank)))[0].numpy()
+    return dtensor.unpack(dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, layout.rank)))[0].numpy()
 
 
 def divisors(n):

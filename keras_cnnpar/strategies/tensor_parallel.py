@@ -196,10 +196,15 @@ def _steps(sharded, optimizer, loss_fn):
 def _run_batches(model, batches, steps, step, mesh, callback_list=None):
     """Run ``step`` on ``steps`` batches; update ``model``'s compiled metrics from the predictions; return the logs.
 
-    The loss is the batch-size-weighted mean, as Keras reports it.
+    The loss is the batch-size-weighted mean, as Keras reports it. The logs are
+    read after every step only when batch callbacks are given.
     """
     model.reset_metrics()
     total, count = 0.0, 0
+
+    def logs():
+        return {**{k: float(v) for k, v in model.get_metrics_result().items()}, "loss": total / count}
+
     for index in range(steps):
         x, y = next(batches)
         if callback_list is not None:
@@ -207,10 +212,9 @@ def _run_batches(model, batches, steps, step, mesh, callback_list=None):
         loss, y_pred = step(*(to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape))) for a in (x, y)))
         total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
         model.compute_metrics(x, y, dtensor.unpack(y_pred)[0])
-        logs = {**{k: float(v) for k, v in model.get_metrics_result().items()}, "loss": total / count}
         if callback_list is not None:
-            callback_list.on_train_batch_end(index, logs)
-    return logs
+            callback_list.on_train_batch_end(index, logs())
+    return logs()
 
 
 class _MeshOptimizer:
