@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
 
-from keras_cnnpar.layers.sharded import conv_as_matmul
+from keras_cnnpar.sharded.layers import conv_as_matmul
 
 CONVS = {"conv 5x5 1->32 at 28x28": ((64, 32, 32, 1), (5, 5, 1, 32)),
          "conv 5x5 32->64 at 14x14": ((64, 18, 18, 32), (5, 5, 32, 64))}

@@ -10,10 +10,9 @@ import time
 
 import click
 
-from keras_cnnpar import __version__
+from keras_cnnpar import __version__, registry, runs
 
-MODELS = ["2+2", "3+3"]
-STRATEGIES = ["single", "mirrored", "multi-worker", "async-ps", "layers", "channels", "hybrid"]
+MODELS = list(runs.MODEL_NAMES)
 
 
 def _quiet_tensorflow():
@@ -41,12 +40,9 @@ def main():
 @main.command()
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
-@click.option("--strategy", "strategy_name", default="single", show_default=True,
-              help="single (one device), mirrored (sync data parallel on MirroredStrategy), multi-worker "
-                   "(sync data parallel across processes, see --workers), async-ps (asynchronous parameter "
-                   "servers, see --workers, --ps, --cluster), layers (layers placed on devices, see "
-                   "--microbatches), channels (Conv2D/Dense kernels sharded over --devices with DTensor) or hybrid "
-                   "(a DTensor mesh of batch x channels, see --mesh).")
+@click.option("--strategy", "strategy_name", type=click.Choice(registry.names()), default="single",
+              show_default=True,
+              help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries()) + ".")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored, 2 for layers and "
@@ -130,7 +126,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     from keras_cnnpar.checks import ShardCheckFailed
 
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
-        checkpoint_dir = os.path.join(results_dir, "checkpoints")
+        checkpoint_dir = os.path.join(results_dir, runs.CHECKPOINTS)
     try:
         strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0], model=mesh and mesh[1],
                                      microbatches=microbatches, workers=workers,
@@ -170,7 +166,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     if not no_log:
         from keras_cnnpar import serving
 
-        serving.save_weights(model, os.path.join(results_dir, models.run_file_name(
+        serving.save_weights(model, os.path.join(results_dir, runs.run_file_name(
             model.name, strategy.alias, strategy.num_devices, ".weights.h5")))
     if export_dir is not None:
         _export(model, export_dir, export_version, force=False)
@@ -201,7 +197,8 @@ def _launch_workers(workers):
     from keras_cnnpar import cluster
 
     try:
-        cluster.run_local_workers(_command_line(click.get_current_context()), workers)
+        command = [sys.executable, "-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())]
+        cluster.run_local_workers(command, workers)
     except cluster.WorkerFailed as failure:
         click.echo(f"Error: {failure}", err=True)
         sys.exit(failure.returncode if failure.returncode > 0 else 1)
@@ -233,8 +230,6 @@ def _command_line(context):
 
 def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history, seconds,
              results_dir):
-    from keras_cnnpar import models
-
     final = "  ".join(f"{key} {values[-1]}" if isinstance(values[-1], str) else f"{key} {values[-1]:.4f}"
                       for key, values in sorted(history.history.items()))
     lines = [
@@ -247,22 +242,16 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
         f"  final         {final}",
     ]
     if results_dir is not None:
-        runs = _last_run(os.path.join(results_dir, "runs.csv"))
-        csv_name = models.run_file_name(model.name, strategy.alias, strategy.num_devices)
+        last = runs.read_csv(os.path.join(results_dir, runs.RUNS_CSV))[-1]
+        csv_name = runs.run_file_name(model.name, strategy.alias, strategy.num_devices)
         lines += [
-            f"  throughput    {runs['images_per_second']} images/s (median of the epochs after the first), "
-            f"speedup vs single {runs['speedup'] or 'n/a'}",
+            f"  throughput    {last['images_per_second']} images/s (median of the epochs after the first), "
+            f"speedup vs single {last['speedup'] or 'n/a'}",
             f"  files         {os.path.join(results_dir, csv_name)}",
-            f"                {os.path.join(results_dir, 'runs.csv')}, {os.path.join(results_dir, 'results.log')}",
+            f"                {os.path.join(results_dir, runs.RUNS_CSV)}, "
+            f"{os.path.join(results_dir, runs.RESULTS_LOG)}",
         ]
     return "\n".join(lines)
-
-
-def _last_run(path):
-    import csv
-
-    with open(path, newline="", encoding="utf-8") as file:
-        return list(csv.DictReader(file))[-1]
 
 
 def _export(model, base_dir, version, force):
@@ -296,7 +285,7 @@ def _csv_list(kind, choices=None):
 @click.option("--models", "model_kinds", default="2+2,3+3", show_default=True, callback=_csv_list(str, MODELS),
               help="Comma-separated model kinds.")
 @click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
-              show_default=True, callback=_csv_list(str, STRATEGIES), help="Comma-separated strategy names.")
+              show_default=True, callback=_csv_list(str, registry.names()), help="Comma-separated strategy names.")
 @click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int),
               help="Comma-separated device counts (workers for async-ps and multi-worker).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
@@ -451,12 +440,9 @@ def cluster_stop(spec_path):
 @click.option("--index", type=int, required=True)
 def cluster_serve(cluster_json, job, index):
     """Run one task's TensorFlow server (started by `cnnpar cluster start`)."""
-    _quiet_tensorflow()
-    import json
+    from keras_cnnpar import cluster
 
-    from keras_cnnpar.strategies import async_ps
-
-    async_ps.serve(json.loads(cluster_json), job, index)
+    cluster.main(["serve", "--cluster-json", cluster_json, "--job", job, "--index", str(index)])
 
 
 @main.group()

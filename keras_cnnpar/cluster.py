@@ -16,9 +16,12 @@ ValueError: TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. 
 
 :func:`run_local_workers` starts a command once per worker on this machine,
 each process with its own ``TF_CONFIG``, streams the chief's output and fails
-as soon as one worker fails.
+as soon as one worker fails. :func:`start_servers` starts one server process
+per task of a parameter-server cluster; each runs this module's entry point,
+``python -m keras_cnnpar.cluster serve --cluster-json JSON --job JOB --index I``.
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -29,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from keras_cnnpar import runs
 
 #: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
 PREEMPTED_EXIT_CODE = 42
@@ -200,8 +205,8 @@ def _answers(address):
         return False
 
 
-def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
-    """Run ``python -m keras_cnnpar.cli *argv`` once per worker on loopback; raise ``WorkerFailed`` on failure.
+def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
+    """Run ``command`` (an argv list) once per worker on loopback; raise ``WorkerFailed`` on failure.
 
     Each process gets its own ``TF_CONFIG`` and its share of the cores for
     TensorFlow's thread pools (environment variables already set win). The
@@ -215,7 +220,7 @@ def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_secon
     """
     spec = local_spec(workers)
     with tempfile.TemporaryDirectory(prefix="cnnpar-workers-") as logs:
-        processes = [_start_worker(argv, Task(spec, "worker", i), logs) for i in range(workers)]
+        processes = [_start_worker(command, Task(spec, "worker", i), logs) for i in range(workers)]
         forward = _forward_signals(processes)
         try:
             failed = _wait_for_failure(processes, poll_seconds)
@@ -231,11 +236,11 @@ def run_local_workers(argv, workers, *, poll_seconds=0.2, preemption_grace_secon
             raise WorkerFailed(failed, processes[failed].returncode, _tail(Path(logs) / f"worker{failed}.log"))
 
 
-def _start_worker(argv, task, logs):
+def _start_worker(command, task, logs):
     env = {**_thread_share(task.num_workers), **os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")
     try:
-        return subprocess.Popen([sys.executable, "-m", "keras_cnnpar.cli", *argv], env=env, stdout=output,
+        return subprocess.Popen(command, env=env, stdout=output,
                                 stderr=subprocess.STDOUT if output else None, start_new_session=True)
     finally:
         if output:
@@ -313,7 +318,7 @@ def start_servers(workers, ps, spec_path, *, timeout=60):
         for job, addresses in spec.items():
             for index in range(len(addresses)):
                 processes[job].append(subprocess.Popen(
-                    [sys.executable, "-m", "keras_cnnpar.cli", "cluster", "serve", "--cluster-json", json.dumps(spec),
+                    [sys.executable, "-m", "keras_cnnpar.cluster", "serve", "--cluster-json", json.dumps(spec),
                      "--job", job, "--index", str(index)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         wait_reachable(spec, timeout)
@@ -323,16 +328,14 @@ def start_servers(workers, ps, spec_path, *, timeout=60):
             process.wait()
         raise
     config = {"cluster": spec, "pids": {job: [p.pid for p in started] for job, started in processes.items()}}
-    partial = spec_path.with_name(f".{spec_path.name}.partial")
-    partial.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(partial, spec_path)
+    runs.write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
     return config
 
 
 def stop_servers(spec_path, *, grace_seconds=5):
     """End the server processes that :func:`start_servers` recorded in ``spec_path``, then remove the file.
 
-    Only processes that are still ``cnnpar cluster serve`` servers are signalled.
+    Only processes that are still this module's servers are signalled.
     Returns how many were running.
     """
     spec_path = Path(spec_path)
@@ -358,4 +361,36 @@ def _is_server(pid):
         status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return status != "Z" and b"keras_cnnpar.cli" in command and b"serve" in command
+    return status != "Z" and b"keras_cnnpar.cluster" in command and b"serve" in command
+
+
+def serve(cluster, job, index):
+    """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until the process ends.
+
+    A worker's server gets ``inter_op_parallelism_threads >= workers + 1``:
+    with fewer, a parameter-server cluster hangs.
+    """
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
+        if job == "worker" else None
+    tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, config=config,
+                         protocol="grpc").join()
+
+
+def main(argv=None):
+    """The entry point of server processes: ``python -m keras_cnnpar.cluster serve ...``."""
+    parser = argparse.ArgumentParser(prog="python -m keras_cnnpar.cluster",
+                                     description="Run one task's TensorFlow server of a parameter-server cluster.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    server = commands.add_parser("serve", help="run the server of task JOB:INDEX until the process ends")
+    server.add_argument("--cluster-json", required=True, help="the cluster's jobs map, as JSON")
+    server.add_argument("--job", required=True)
+    server.add_argument("--index", type=int, required=True)
+    options = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,11 +20,12 @@ Example:
 """
 
 import dataclasses
-import os
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+
+from keras_cnnpar import runs
 
 DEFAULT_SOURCE = "mnist-5k"
 IMAGE_SIDE = 28
@@ -246,6 +247,5 @@ def _pixels(images):
 
 
 def _write_csv(path, header, rows):
-    partial = path.with_name(f".{path.name}.partial")
-    np.savetxt(partial, rows, fmt="%d", delimiter=",", header=",".join(header), comments="")
-    os.replace(partial, path)
+    runs.write_atomic(path, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
+                                                                    header=",".join(header), comments=""))

@@ -10,19 +10,18 @@ Example:
 >>> [(c.model, c.strategy, c.devices) for c in plan(["2+2"], ["single", "mirrored"], [1, 2])[0]]
 [('2+2', 'single', 1), ('2+2', 'mirrored', 2)]
 >>> plan(["2+2"], ["single", "hybrid"], [2])[1]
-['single on 2 devices: single runs on 1 device', 'hybrid on 2 devices: hybrid needs an even device count of at least 4 (a DATA x 2 mesh)']
+['single on 2 devices: single runs on 1 device', 'hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4']
 """
 
 import csv
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from keras_cnnpar import models
+from keras_cnnpar import registry, runs
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
@@ -39,40 +38,27 @@ class Config:
     devices: int
 
     def train_args(self):
-        """The ``cnnpar train`` options that select this configuration's strategy and devices."""
-        if self.strategy == "single":
+        """The ``cnnpar train`` options that select this configuration's strategy and devices.
+
+        The strategy's registered ``device_option`` says which option sets the
+        count; a mesh keeps 2 shards on the channel axis.
+        """
+        option = registry.entry(self.strategy).device_option
+        if option is None:
             return []
-        if self.strategy in ("async-ps", "multi-worker"):
-            return ["--workers", str(self.devices)]
-        if self.strategy == "hybrid":
-            return ["--mesh", f"{self.devices // 2}x2"]
-        return ["--devices", str(self.devices)]
+        return [f"--{option}", f"{self.devices // 2}x2" if option == "mesh" else str(self.devices)]
 
     def __str__(self):
         return f"{self.model} {self.strategy} on {self.devices} device{'s' * (self.devices > 1)}"
 
 
-def invalid(strategy, devices):
-    """Why ``strategy`` cannot run on ``devices`` devices, or None.
-
-    >>> invalid("mirrored", 1)
-    'mirrored needs at least 2 devices'
-    """
-    if strategy == "single":
-        return None if devices == 1 else "single runs on 1 device"
-    if strategy == "hybrid":
-        return None if devices >= 4 and devices % 2 == 0 else \
-            "hybrid needs an even device count of at least 4 (a DATA x 2 mesh)"
-    return None if devices >= 2 else f"{strategy} needs at least 2 devices"
-
-
 def plan(model_kinds, strategy_names, device_counts):
-    """``(valid configurations, skip reasons)`` for every combination."""
+    """``(valid configurations, skip reasons)`` for every combination; the registry says which are valid."""
     valid, skipped = [], []
     for kind in model_kinds:
         for strategy in strategy_names:
             for devices in device_counts:
-                reason = invalid(strategy, devices)
+                reason = registry.entry(strategy).invalid(devices)
                 if reason is None:
                     valid.append(Config(kind, strategy, devices))
                 elif kind == model_kinds[0]:
@@ -82,8 +68,8 @@ def plan(model_kinds, strategy_names, device_counts):
 
 def completed(config, results_dir, epochs, batch_size):
     """Whether ``runs.csv`` holds a finished run of ``config`` with these epochs and batch."""
-    rows = _read_csv(Path(results_dir) / "runs.csv")
-    return any(r["model"] == models.MODEL_NAMES[config.model] and r["strategy"] == config.strategy
+    rows = runs.read_csv(Path(results_dir) / runs.RUNS_CSV)
+    return any(r["model"] == runs.MODEL_NAMES[config.model] and r["strategy"] == config.strategy
                and r["devices"] == str(config.devices) and r["global_batch"] == str(batch_size)
                and r["epochs"] == str(epochs) for r in rows)
 
@@ -114,21 +100,24 @@ def record(results_dir, config, status, seconds, detail=""):
 
 
 def summarize(results_dir):
-    """One summary row per configuration (its latest run) from ``runs.csv`` and the epoch CSVs."""
+    """One summary row per configuration (its latest run) from ``runs.csv`` and the epoch CSVs.
+
+    Speedup follows ``runs.csv``'s rule (:func:`keras_cnnpar.runs.single_throughput`):
+    against the latest Single run of the same model at the same global batch.
+    """
     results_dir = Path(results_dir)
-    latest = {}
-    for row in _read_csv(results_dir / "runs.csv"):
-        latest[row["model"], row["strategy"], row["devices"]] = row
-    single = {model: float(r["images_per_second"]) for (model, strategy, _), r in latest.items()
-              if strategy == "single" and r["images_per_second"]}
+    recorded = runs.read_csv(results_dir / runs.RUNS_CSV)
+    latest = {(row["model"], row["strategy"], row["devices"]): row for row in recorded}
     rows = []
     for (model, strategy, devices), run in latest.items():
-        epochs = _read_csv(results_dir / run["epoch_csv"])
+        epochs = runs.read_csv(results_dir / run["epoch_csv"])
         last = epochs[-1] if epochs else {}
-        throughput = float(run["images_per_second"]) if run["images_per_second"] else math.nan
-        speedup = throughput / single[model] if model in single else math.nan
-        row = {"model": model, "strategy": strategy, "devices": int(devices), "images_per_second": throughput,
-               "speedup": speedup, "efficiency": speedup / int(devices), "val_accuracy": _number(run["val_accuracy"]),
+        throughput = float(run["images_per_second"]) if run["images_per_second"] else ""
+        speedup, efficiency = runs.speedup_and_efficiency(
+            strategy, devices, throughput, runs.single_throughput(recorded, model, run["global_batch"]))
+        row = {"model": model, "strategy": strategy, "devices": int(devices), "images_per_second": _number(throughput),
+               "speedup": _number(speedup), "efficiency": _number(efficiency),
+               "val_accuracy": _number(run["val_accuracy"]),
                "parity": last.get("grad_parity_verdict", "") or "n/a",
                **{key: _number(last.get(key, "")) for key in
                   ("grad_parity_max_abs_diff", "compute_seconds", "sync_seconds", "sync_fraction")}}
@@ -162,9 +151,10 @@ def write_report(results_dir):
     if not rows:
         raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
                          f"Received: --results {results_dir}")
-    _write_atomic(results_dir / "summary.csv", _csv_text(rows))
+    runs.write_atomic(results_dir / "summary.csv", runs.csv_text(SUMMARY_COLUMNS, [
+        {k: _cell(v) for k, v in row.items()} for row in rows]))
     markdown = markdown_table(rows)
-    _write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
+    runs.write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
     plot(results_dir, rows)
     return rows, markdown
 
@@ -187,11 +177,11 @@ def plot(results_dir, rows):
 
     kinds = sorted({r["model"] for r in rows})
     figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
-    runs = {(r["model"], r["strategy"], r["devices"]): r for r in _read_csv(Path(results_dir) / "runs.csv")}
+    latest = {(r["model"], r["strategy"], r["devices"]): r for r in runs.read_csv(Path(results_dir) / runs.RUNS_CSV)}
     for axis, kind in zip(axes[0], kinds):
-        for (model, strategy, devices), run in sorted(runs.items()):
+        for (model, strategy, devices), run in sorted(latest.items()):
             if model == kind:
-                epochs = _read_csv(Path(results_dir) / run["epoch_csv"])
+                epochs = runs.read_csv(Path(results_dir) / run["epoch_csv"])
                 axis.plot([int(e["epoch"]) for e in epochs], [_number(e.get("val_accuracy", "")) for e in epochs],
                           marker="o", label=f"{strategy} x{devices}")
         axis.set(title=kind, xlabel="epoch", ylabel="validation accuracy")
@@ -212,19 +202,10 @@ def plot(results_dir, rows):
 
 def _save(figure, path):
     figure.tight_layout()
-    partial = path.with_name(path.stem + ".partial.png")
-    figure.savefig(partial, dpi=100)
-    os.replace(partial, path)
+    runs.write_atomic(path, None, write=lambda partial: figure.savefig(partial, dpi=100))
     from matplotlib import pyplot
 
     pyplot.close(figure)
-
-
-def _read_csv(path):
-    if not Path(path).exists():
-        return []
-    with open(path, newline="", encoding="utf-8") as file:
-        return list(csv.DictReader(file))
 
 
 def _number(text):
@@ -238,19 +219,3 @@ def _cell(value):
     if isinstance(value, float):
         return "" if math.isnan(value) else (f"{value:.3g}" if abs(value) < 10 else f"{value:.0f}")
     return str(value)
-
-
-def _csv_text(rows):
-    import io
-
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, SUMMARY_COLUMNS)
-    writer.writeheader()
-    writer.writerows({k: _cell(v) for k, v in row.items()} for row in rows)
-    return buffer.getvalue()
-
-
-def _write_atomic(path, text):
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)

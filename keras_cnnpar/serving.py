@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
+from keras_cnnpar import runs
 
 SIGNATURE = "serving_default"
 INPUT = "pixels"
@@ -181,9 +182,7 @@ def _move_into_place(staging, target):
 def save_weights(model, path):
     """Save ``model``'s weights to ``path`` (ending in ``.weights.h5``) through a temporary file and a rename."""
     path = Path(path)
-    partial = path.with_name(f".{path.name[:-len('.weights.h5')]}.partial.weights.h5")
-    model.save_weights(partial)
-    os.replace(partial, path)
+    runs.write_atomic(path, None, write=model.save_weights)
     return path
 
 
@@ -192,10 +191,10 @@ def load_weights(path, kind=None):
     from keras_cnnpar import models
 
     path = Path(path)
-    kind = kind or models.kind_of(path.name)
+    kind = kind or runs.kind_of(path.name)
     if kind is None:
         raise ValueError(f"{path}: cannot tell the model from the file name; give the model kind "
-                         f"({sorted(models.MODEL_NAMES)}). Received: model=None")
+                         f"({sorted(runs.MODEL_NAMES)}). Received: model=None")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found. Received: weights={path}")
     model = models.cnn(kind)
@@ -218,8 +217,7 @@ def predict_csv(model_dir, test_csv, out, *, batch_size=512):
         for i in range(0, len(pixels), batch_size)])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
     rows = np.column_stack([np.arange(1, len(classes) + 1), classes])
-    np.savetxt(partial, rows, fmt="%d", delimiter=",", header="ImageId,Label", comments="")
-    os.replace(partial, out)
+    runs.write_atomic(out, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
+                                                                   header="ImageId,Label", comments=""))
     return len(rows)

@@ -1,4 +1,4 @@
-"""``cnnpar.fit``: resolve the strategy, prepare, fit, finalize, and log the run.
+"""``cnnpar.fit`` (resolve the strategy, prepare, fit, finalize, log the run) and ``cnnpar.parallel``.
 
 Example:
 
@@ -11,6 +11,7 @@ Example:
 ['accuracy', 'loss']
 """
 
+import functools
 import math
 
 import keras
@@ -51,9 +52,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     strategy = strategies.resolve(strategy)
     _check_model(model)
     if resume:
-        if not hasattr(strategy, "resume"):
+        if not strategy.keeps_checkpoints:
             raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
-                             f"'multi-worker' and 'async-ps'. Received: resume={resume!r}")
+                             f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
         strategy.resume = True
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
@@ -68,24 +69,56 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     report = strategy.report()
     if report and fit_kwargs.get("verbose", 1):
         print(report)
-    logger = None
+    logging = []
     if results_dir is not None and strategy.is_chief:
         info = callback_lib.RunInfo(
             model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
             global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch)
-        logger = callback_lib.RunLogger(info, results_dir, report=report)
-    callbacks = [*(callbacks or []), *([logger] if logger else [])]
+        logging = callback_lib.run_callbacks(info, results_dir, report=report)
     try:
         history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,
-                               callbacks=callbacks, initial_epoch=initial_epoch, **fit_kwargs)
+                               callbacks=[*(callbacks or []), *logging], initial_epoch=initial_epoch, **fit_kwargs)
     except BaseException as error:
-        if logger is not None:
-            logger.on_failure(error)
+        if logging:
+            epoch_logger, recorder = logging
+            epoch_logger.close(failed=True)
+            recorder.on_failure(error)
         raise
     strategy.finalize(prepared, model)
     history.set_model(model)
     model.history = history
     return history
+
+
+def parallel(model):
+    """Return ``model`` with a ``fit`` that also accepts ``strategy=`` (and ``results_dir=``).
+
+    Without ``strategy`` the call is Keras's own ``fit``, unchanged. With it, the
+    call is :func:`fit`: the model is rebuilt for the strategy, trained, and the
+    trained weights are copied back. The model stays an ordinary Keras model in
+    every other way.
+
+    >>> import keras, keras_cnnpar as cnnpar
+    >>> model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+    ...                           keras.layers.Dense(10, activation="softmax")])
+    >>> model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    >>> model = parallel(model)
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[::40], digits.y[::40], batch_size=64, strategy="single",
+    ...                     results_dir=None, verbose=0)
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"parallel() takes a keras.Model. Received: model={type(model).__name__}")
+    keras_fit = type(model).fit
+
+    @functools.wraps(keras_fit)
+    def fit_with_strategy(*args, strategy=None, **kwargs):
+        if strategy is None:
+            return keras_fit(model, *args, **kwargs)
+        return fit(model, *args, strategy=strategy, **kwargs)
+
+    model.fit = fit_with_strategy
+    return model
 
 
 def _check_model(model):

@@ -8,8 +8,8 @@ from tensorflow.experimental import dtensor
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import devices
-from keras_cnnpar.layers import ChannelShardedConv2D, ShardedDense, ShardedSequential
-from keras_cnnpar.layers.sharded import activation_layout, to_mesh, to_numpy
+from keras_cnnpar.sharded import ChannelShardedConv2D, ShardedDense, ShardedSequential
+from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
 from tests.conftest import build_small_cnn, max_weight_difference
 
 TWINS = {

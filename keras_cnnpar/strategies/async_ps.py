@@ -4,19 +4,19 @@ import contextlib
 import functools
 import json
 import math
-from pathlib import Path
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_cnnpar import arguments, checkpoints, rebuild
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar import checkpoints, models, rebuild
 from keras_cnnpar.strategies import loop
-from keras_cnnpar.strategies.base import PeerLost, Strategy, check_scale_lr, register
+from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
+
 
 @register("async-ps")
-class AsyncPS(Strategy):
+class AsyncPS(CheckpointedStrategy):
     """Asynchronous data parallel: workers update variables held by parameter servers, without waiting.
 
     The model's variables live on the parameter servers, whole, spread
@@ -86,25 +86,24 @@ class AsyncPS(Strategy):
             one. Without it, an existing checkpoint is an error.
     """
 
+    description = "asynchronous parameter servers, see --workers, --ps, --cluster"
+    min_devices = 2
+    device_option = "workers"
+
     def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr="sqrt", steps_per_execution=8, timeout=30,
                  checkpoint_dir="checkpoints", resume=False):
-        super().__init__(steps_per_execution=steps_per_execution)
-        for name, value in (("workers", workers), ("ps", ps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
+        super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
+                         steps_per_execution=steps_per_execution)
+        arguments.positive_int("workers", workers)
+        arguments.positive_int("ps", ps)
         if isinstance(cluster, tf.train.ClusterSpec):
             cluster = cluster.as_dict()
         self.spec = None if cluster is None else cluster_lib.parse_spec(cluster)
         self.workers = len(self.spec["worker"]) if self.spec else workers
         self.ps = len(self.spec["ps"]) if self.spec else ps
-        self.scale_lr = check_scale_lr(scale_lr)
-        self.timeout = timeout
-        self.checkpoint_dir, self.resume = checkpoint_dir, bool(resume)
-        self._run = None
+        self.scale_lr = arguments.scale_lr(scale_lr)
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
-        cluster_lib.wait_reachable(self.cluster, timeout)
+        cluster_lib.wait_reachable(self.cluster, self.timeout)
         self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True))
 
     @property
@@ -127,39 +126,26 @@ class AsyncPS(Strategy):
         return self._strategy
 
     def report(self):
-        return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
-                f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
-                f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})\n"
-                + "\n".join(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
-                            for task, (count, size) in sorted(self._held.items()))
-                + (f"\nresumed from {self._run.directory} after epoch {self._run.completed_epochs}"
-                   if self._run and self._run.completed_epochs else ""))
+        lines = [f"async-ps: {self.workers} workers, {self.ps} parameter servers "
+                 f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
+                 f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})",
+                 *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
+                   for task, (count, size) in sorted(self._held.items())),
+                 self.resumed_line()]
+        return "\n".join(line for line in lines if line)
 
     def prepare(self, model):
         prepared = super().prepare(model)
-        with self.scope():
-            prepared.optimizer.build(prepared.trainable_variables)
+        self.build_optimizer(prepared)
         self._held = _bytes_per_task(prepared.weights)
         if self.checkpoint_dir is not None:
-            directory = Path(self.checkpoint_dir) / models.run_file_name(prepared.name, self.alias, self.devices, "")
-            self._run = checkpoints.RunCheckpoint(prepared, directory, self.resume)
-            self._run.restore()
+            self.run_checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), self.resume)
+            self.run_checkpoint.restore()
         return prepared
-
-    def resume_epoch(self, initial_epoch):
-        return max(initial_epoch, self._run.completed_epochs if self._run else 0)
-
-    def finalize(self, prepared, model):
-        super().finalize(prepared, model)
-        if self._run is not None:
-            self._run.remove()
 
     def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
-        if unsupported:
-            raise ValueError(f"AsyncPS does not support the fit arguments {sorted(unsupported)}. "
-                             f"Received: {unsupported}")
-        steps = steps_per_epoch or loop.finite_steps(train, "AsyncPS")
+        steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
         rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
         async_loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps),
                                 self.steps_per_execution)
@@ -179,7 +165,8 @@ class AsyncPS(Strategy):
             prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
             initial_epoch=initial_epoch, validate=validate if evaluator is not None else None,
             epoch_guard=self._parameter_servers_kept,
-            after_epoch=(lambda epoch: self._run.save(completed_epochs=epoch + 1)) if self._run else None)
+            after_epoch=(lambda epoch: self.run_checkpoint.save(completed_epochs=epoch + 1))
+            if self.run_checkpoint else None)
 
     def replica_batches(self, dataset):
         raise NotImplementedError("each worker reads its own stream, from an offset of its own")
@@ -199,9 +186,10 @@ class AsyncPS(Strategy):
             lost = cluster_lib.unreachable({"ps": self.cluster["ps"]})
             if not lost:
                 raise
-            saved = (f"the checkpoint after epoch {self._run.completed_epochs} is in {self._run.directory}; restart "
+            run = self.run_checkpoint
+            saved = (f"the checkpoint after epoch {run.completed_epochs} is in {run.directory}; restart "
                      f"the servers and rerun with resume=True (cnnpar train --resume)"
-                     if self._run and self._run.completed_epochs else "no epoch was checkpointed yet")
+                     if run and run.completed_epochs else "no epoch was checkpointed yet")
             raise PeerLost(f"lost {', '.join(lost)} of the cluster {self.cluster} in epoch {epoch + 1}: "
                            f"its variables are gone; {saved}. ({type(error).__name__})") from error
 
@@ -308,11 +296,3 @@ def _connect(spec_json):
     strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
-
-
-def serve(cluster, job, index):
-    """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until the process ends."""
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
-        if job == "worker" else None
-    tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, config=config,
-                         protocol="grpc").join()

@@ -1,13 +1,13 @@
-"""The strategy contract and the registry of string aliases.
+"""The strategy contract, the registry's runtime half, and the base of strategies that keep checkpoints.
 
-Every strategy does three things (design §4):
+Every strategy does three things:
 
 1. ``prepare(model)``: rebuild the user's model for the strategy, carrying its
    weights, compile settings and optimizer state.
 2. ``fit(prepared, train, **fit_kwargs)``: train the prepared model; return a ``History``.
 3. ``finalize(prepared, model)``: copy the trained state back into the user's model.
 
-Strings name strategies through a small registry:
+Strings name strategies through the registry (:mod:`keras_cnnpar.registry`):
 
 >>> resolve("single")
 <Single devices=1>
@@ -18,15 +18,13 @@ ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'channels', 'h
 
 import contextlib
 import copy
-import inspect
-import math
+from pathlib import Path
 
 import keras
 
-from keras_cnnpar import accumulation, rebuild
+from keras_cnnpar import accumulation, arguments, rebuild, registry, runs
 
-_REGISTRY = {}
-SCALE_LR = {"linear": lambda n: float(n), "sqrt": math.sqrt, None: lambda n: 1.0}
+names = registry.names
 
 
 class PeerLost(RuntimeError):
@@ -34,19 +32,18 @@ class PeerLost(RuntimeError):
 
 
 def register(alias):
-    """Class decorator: make ``alias`` a string name for the strategy class."""
+    """Class decorator: make ``alias`` the string name of the strategy class.
+
+    The registry finds the decorated class in the source of the strategies
+    package; its facts are the class attributes documented in
+    :mod:`keras_cnnpar.registry`.
+    """
 
     def decorate(cls):
         cls.alias = alias
-        _REGISTRY[alias] = cls
         return cls
 
     return decorate
-
-
-def names():
-    """The registered aliases, sorted."""
-    return sorted(_REGISTRY)
 
 
 def resolve(strategy):
@@ -65,7 +62,7 @@ def accepts(alias, option):
     >>> accepts("mirrored", "devices"), accepts("single", "devices")
     (True, False)
     """
-    return alias in _REGISTRY and option in inspect.signature(_REGISTRY[alias]).parameters
+    return alias in names() and option in registry.entry(alias).options
 
 
 def create(alias, **options):
@@ -74,32 +71,12 @@ def create(alias, **options):
     Options the strategy does not take must be unset (None); ``devices`` may be 1
     for a one-device strategy.
     """
-    if alias not in _REGISTRY:
-        raise ValueError(f"unknown strategy {alias!r}; valid names are {names()}. Received: strategy={alias!r}")
-    rejected = {k: v for k, v in options.items() if not accepts(alias, k) and v not in (None, 1)}
+    entry = registry.entry(alias)
+    rejected = {k: v for k, v in options.items() if k not in entry.options and v not in (None, 1)}
     if rejected:
         key, value = next(iter(rejected.items()))
         raise ValueError(f"strategy {alias!r} takes no {key}. Received: {key}={value!r}")
-    return _REGISTRY[alias](**{k: v for k, v in options.items() if accepts(alias, k) and v is not None})
-
-
-def check_devices(devices):
-    """Validate a ``devices`` option: a positive int or a non-empty list of device names."""
-    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
-        raise TypeError(f"devices must be an int or a list of device names. Received: devices={devices!r}")
-    if isinstance(devices, int) and devices < 1:
-        raise ValueError(f"devices must be at least 1. Received: devices={devices}")
-    if not isinstance(devices, int) and not devices:
-        raise ValueError("devices must name at least one device. Received: devices=[]")
-    return devices if isinstance(devices, int) else list(devices)
-
-
-def check_scale_lr(scale_lr):
-    """Validate a ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None`` (also spelled ``"none"``)."""
-    scale_lr = None if scale_lr == "none" else scale_lr
-    if scale_lr not in SCALE_LR:
-        raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={scale_lr!r}")
-    return scale_lr
+    return entry.load()(**{k: v for k, v in options.items() if k in entry.options and v is not None})
 
 
 class Strategy:
@@ -119,6 +96,12 @@ class Strategy:
     """
 
     alias = "strategy"
+    #: Registry facts (see keras_cnnpar.registry): a one-line description, the valid device counts, the
+    #: `cnnpar train` option that sets the count, and whether the strategy keeps checkpoints to resume.
+    description = ""
+    min_devices, max_devices, device_multiple = 1, None, 1
+    device_option = "devices"
+    keeps_checkpoints = False
     #: A device count, or a list of device names.
     devices = 1
     num_replicas = 1
@@ -129,11 +112,8 @@ class Strategy:
     shuffle_seed = None
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
-        for name, value in (("steps_per_execution", steps_per_execution), ("accumulate", accumulate)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
-        self.steps_per_execution = steps_per_execution
-        self.accumulate = accumulate
+        self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
+        self.accumulate = arguments.positive_int("accumulate", accumulate)
 
     @property
     def num_devices(self):
@@ -152,7 +132,7 @@ class Strategy:
 
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
-        return SCALE_LR[self.scale_lr](self.num_replicas)
+        return arguments.SCALE_LR[self.scale_lr](self.num_replicas)
 
     @property
     def local_devices(self):
@@ -195,3 +175,49 @@ class Strategy:
     def finalize(self, prepared, model):
         """Copy the trained weights and optimizer state back into the user's ``model``."""
         rebuild.copy_state(prepared, model)
+
+
+class CheckpointedStrategy(Strategy):
+    """Base of strategies that keep a checkpoint of each run and can resume it (``MultiWorker``, ``AsyncPS``).
+
+    It owns the checkpoint's lifecycle: the options (``checkpoint_dir``,
+    ``resume``, ``timeout``), one folder per run configuration, the epoch to
+    resume at, the "resumed from" line of the report, and the removal of the
+    checkpoint once the trained state is back in the user's model. A subclass
+    sets ``self.run_checkpoint`` in ``prepare`` (an object with
+    ``directory``, ``completed_epochs`` and ``remove()``).
+    """
+
+    keeps_checkpoints = True
+
+    def __init__(self, *, checkpoint_dir, resume, timeout, **options):
+        super().__init__(**options)
+        self.checkpoint_dir = arguments.folder_or_none("checkpoint_dir", checkpoint_dir)
+        self.resume = bool(resume)
+        self.timeout = arguments.positive_seconds("timeout", timeout)
+        self.run_checkpoint = None
+
+    def checkpoint_folder(self, prepared):
+        """The folder of this run configuration's checkpoint."""
+        return Path(self.checkpoint_dir) / runs.run_file_name(prepared.name, self.alias, self.devices, "")
+
+    def build_optimizer(self, prepared):
+        """Create the optimizer's variables under the strategy, so the checkpoint holds them from the start."""
+        with self.scope():
+            prepared.optimizer.build(prepared.trainable_variables)
+
+    def resume_epoch(self, initial_epoch):
+        completed = self.run_checkpoint.completed_epochs if self.run_checkpoint is not None else 0
+        return max(initial_epoch, completed)
+
+    def resumed_line(self):
+        """The report's line about a restored checkpoint, or None."""
+        run = self.run_checkpoint
+        if run is None or not run.completed_epochs:
+            return None
+        return f"resumed from {run.directory} after epoch {run.completed_epochs}"
+
+    def finalize(self, prepared, model):
+        super().finalize(prepared, model)
+        if self.run_checkpoint is not None:
+            self.run_checkpoint.remove()

@@ -49,6 +49,17 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
     return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
 
 
+def epoch_steps(strategy, train, steps_per_epoch, unsupported):
+    """The set-up every custom loop shares: refuse ``fit`` arguments it does not take, and count an epoch's steps.
+
+    Returns ``steps_per_epoch``, or the number of batches of the finite dataset ``train``.
+    """
+    name = type(strategy).__name__
+    if unsupported:
+        raise ValueError(f"{name} does not support the fit arguments {sorted(unsupported)}. Received: {unsupported}")
+    return steps_per_epoch or finite_steps(train, name)
+
+
 def finite_steps(dataset, strategy_name):
     """The number of batches of a finite ``dataset``; an error for an infinite one."""
     steps = int(dataset.cardinality())

@@ -4,8 +4,9 @@ import functools
 
 import tensorflow as tf
 
+from keras_cnnpar import arguments
 from keras_cnnpar import devices as device_lib
-from keras_cnnpar.strategies.base import Strategy, check_devices, check_scale_lr, register
+from keras_cnnpar.strategies.base import Strategy, register
 
 
 @register("mirrored")
@@ -29,7 +30,7 @@ class DataParallel(Strategy):
     ['/device:CPU:0', '/device:CPU:1']
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
-    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
+    >>> history = model.fit(digits.x[::20], digits.y[::20], batch_size=64,
     ...                     strategy=cnnpar.DataParallel(devices=2), results_dir=None,
     ...                     verbose=0)
 
@@ -46,10 +47,14 @@ class DataParallel(Strategy):
             ``accumulate`` micro-batches.
     """
 
+    description = "sync data parallel on MirroredStrategy"
+    min_devices = 2
+
     def __init__(self, devices=None, *, scale_lr=None, accumulate=1):
         super().__init__(steps_per_execution=1, accumulate=accumulate)
-        self.devices = check_devices(len(tf.config.list_physical_devices("GPU")) or 2 if devices is None else devices)
-        self.scale_lr = check_scale_lr(scale_lr)
+        default = len(tf.config.list_physical_devices("GPU")) or 2
+        self.devices = arguments.devices(default if devices is None else devices)
+        self.scale_lr = arguments.scale_lr(scale_lr)
 
     @property
     def num_replicas(self):

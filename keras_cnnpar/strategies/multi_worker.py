@@ -1,18 +1,16 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
 import faulthandler
-import os
 import re
 import signal
 import sys
-from pathlib import Path
 
 import keras
 import tensorflow as tf
 
+from keras_cnnpar import arguments, checkpoints, rebuild
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar import checkpoints, models, rebuild
-from keras_cnnpar.strategies.base import PeerLost, Strategy, check_scale_lr, register
+from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
 
 class Preempted(SystemExit):
@@ -27,7 +25,7 @@ class Preempted(SystemExit):
 
 
 @register("multi-worker")
-class MultiWorker(Strategy):
+class MultiWorker(CheckpointedStrategy):
     """Sync data parallel across processes or hosts, on ``MultiWorkerMirroredStrategy``.
 
     Every worker process holds a full replica of the model (one per local GPU,
@@ -79,25 +77,20 @@ class MultiWorker(Strategy):
             :class:`DataParallel`: one all-reduce per ``accumulate`` micro-batches.
     """
 
+    description = "sync data parallel across processes, see --workers"
+    min_devices = 2
+    device_option = "workers"
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
                  accumulate=1):
-        super().__init__(steps_per_execution=1, accumulate=accumulate)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds. Received: timeout={timeout!r}")
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_dir must be a folder path or None. "
-                            f"Received: checkpoint_dir={checkpoint_dir!r}")
+        super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
+                         accumulate=accumulate)
         self.task = cluster_lib.Task.parse(cluster)
         self.is_chief = self.task.is_chief
-        self.checkpoint_dir = checkpoint_dir
-        self.resume = bool(resume)
-        self.timeout = timeout
-        self.scale_lr = check_scale_lr(scale_lr)
-        self._strategy = _join_cluster(self.task, timeout)
-        self._checkpoint = None
+        self.scale_lr = arguments.scale_lr(scale_lr)
+        self._strategy = _join_cluster(self.task, self.timeout)
 
     @property
     def devices(self):
@@ -130,26 +123,21 @@ class MultiWorker(Strategy):
     def prepare(self, model):
         prepared = super().prepare(model)
         if self.checkpoint_dir is not None:
-            with self.scope():
-                prepared.optimizer.build(prepared.trainable_variables)
-            directory = Path(self.checkpoint_dir) / models.run_file_name(prepared.name, self.alias, self.devices, "")
-            self._checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared, directory, self.resume)
+            self.build_optimizer(prepared)
+            self.run_checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared,
+                                                        self.checkpoint_folder(prepared), self.resume)
         return prepared
-
-    def resume_epoch(self, initial_epoch):
-        return max(initial_epoch, self._checkpoint.completed_epochs if self._checkpoint else 0)
 
     def report(self):
         lines = [f"multi-worker: {self.task.num_workers} workers, {self.num_replicas} replicas, "
-                 f"this is {self.task.type} {self.task.index}{' (chief)' if self.is_chief else ''}"]
-        if self._checkpoint is not None and self._checkpoint.completed_epochs:
-            lines.append(f"resumed from {self._checkpoint.directory} after epoch {self._checkpoint.completed_epochs}")
-        return "\n".join(lines)
+                 f"this is {self.task.type} {self.task.index}{' (chief)' if self.is_chief else ''}",
+                 self.resumed_line()]
+        return "\n".join(line for line in lines if line)
 
     def fit(self, prepared, train, *, validation_data=None, callbacks=(), **fit_kwargs):
         _contain_keras_20585(prepared, train.element_spec)
-        if self._checkpoint is not None:
-            callbacks = [self._checkpoint.callback(), *callbacks]
+        if self.run_checkpoint is not None:
+            callbacks = [self.run_checkpoint.callback(), *callbacks]
         validation = self.distribute(validation_data) if validation_data is not None else None
         try:
             return prepared.fit(self.distribute(train), validation_data=validation, callbacks=callbacks,
@@ -161,13 +149,8 @@ class MultiWorker(Strategy):
                            f"answer within timeout={self.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
                            f"({type(error).__name__})") from error
         finally:
-            if self._checkpoint is not None:
-                self._checkpoint.stop_watching()
-
-    def finalize(self, prepared, model):
-        super().finalize(prepared, model)
-        if self._checkpoint is not None:
-            self._checkpoint.remove()
+            if self.run_checkpoint is not None:
+                self.run_checkpoint.stop_watching()
 
 
 def _join_cluster(task, timeout):

@@ -8,9 +8,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_cnnpar import arguments, rebuild
 from keras_cnnpar import devices as device_lib
-from keras_cnnpar import rebuild
-from keras_cnnpar.strategies.base import Strategy, check_devices, register
+from keras_cnnpar.strategies.base import Strategy, register
 
 
 @register("layers")
@@ -37,7 +37,7 @@ class LayerPlacement(Strategy):
     ['/device:CPU:0', '/device:CPU:1']
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
-    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, verbose=0, results_dir=None,
+    >>> history = model.fit(digits.x[::20], digits.y[::20], batch_size=64, verbose=0, results_dir=None,
     ...                     strategy=cnnpar.LayerPlacement(devices=2, microbatches=4))
 
     Args:
@@ -50,15 +50,16 @@ class LayerPlacement(Strategy):
         steps_per_execution: training steps per call into TensorFlow (default 8).
     """
 
+    description = "layers placed on devices, pipelined over --microbatches (model parallel)"
+    min_devices = 2
+
     def __init__(self, devices=2, placement=None, microbatches=1, *, steps_per_execution=8):
         super().__init__(steps_per_execution=steps_per_execution)
-        self.devices = check_devices(devices)
+        self.devices = arguments.devices(devices)
         if placement is not None and not isinstance(placement, dict):
             raise TypeError(f"placement must be None or a dict of layer -> device. Received: placement={placement!r}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be a positive int. Received: microbatches={microbatches!r}")
         self.placement = placement
-        self.microbatches = microbatches
+        self.microbatches = arguments.positive_int("microbatches", microbatches)
         self.stages = None
 
     def __repr__(self):

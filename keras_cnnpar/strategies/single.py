@@ -16,9 +16,15 @@ class Single(Strategy):
     >>> import keras_cnnpar as cnnpar
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
-    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64,
+    >>> history = model.fit(digits.x[::20], digits.y[::20], batch_size=64,
     ...                     strategy=cnnpar.Single(), results_dir=None, verbose=0)
 
     Args:
         steps_per_execution: training steps per call into TensorFlow (default 8).
+        accumulate: micro-batches of ``batch_size`` per step, their mean
+            gradient applied once (see ``Strategy``).
     """
+
+    description = "one device, the baseline"
+    max_devices = 1
+    device_option = None

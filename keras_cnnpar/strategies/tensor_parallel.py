@@ -7,11 +7,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_cnnpar import arguments, rebuild, sharded
 from keras_cnnpar import devices as device_lib
-from keras_cnnpar import layers, rebuild
-from keras_cnnpar.layers.sharded import activation_layout, to_mesh, to_numpy
+from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
 from keras_cnnpar.strategies import loop
-from keras_cnnpar.strategies.base import Strategy, check_devices, register
+from keras_cnnpar.strategies.base import Strategy, register
 
 
 @register("channels")
@@ -41,18 +41,20 @@ class ChannelSharded(Strategy):
     ['/device:CPU:0', '/device:CPU:1']
     >>> model = cnnpar.models.cnn("3+3")
     >>> digits = cnnpar.data.load()
-    >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, verbose=0, results_dir=None,
+    >>> history = model.fit(digits.x[::20], digits.y[::20], batch_size=64, verbose=0, results_dir=None,
     ...                     strategy=cnnpar.ChannelSharded(devices=2))
 
     Args:
         devices: number of devices on the ``"model"`` axis, or a list of device names.
     """
 
+    description = "Conv2D/Dense kernels sharded over --devices with DTensor (tensor parallel)"
+    min_devices = 2
     mesh_axes = ("model",)
 
     def __init__(self, devices=2):
         super().__init__(steps_per_execution=1)
-        self.devices = check_devices(devices)
+        self.devices = arguments.devices(devices)
         self.sharded = self.optimizer = self.loss = None
 
     def __repr__(self):
@@ -76,7 +78,7 @@ class ChannelSharded(Strategy):
 
     def prepare(self, model):
         prepared = rebuild.rebuild(model, scope=self.scope())
-        self.sharded = layers.ShardedSequential(prepared, self.mesh())
+        self.sharded = sharded.ShardedSequential(prepared, self.mesh())
         self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights)
         if prepared.optimizer.built:
             self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
@@ -88,10 +90,7 @@ class ChannelSharded(Strategy):
 
     def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
-        if unsupported:
-            raise ValueError(f"{type(self).__name__} does not support the fit arguments {sorted(unsupported)}. "
-                             f"Received: {unsupported}")
-        steps = steps_per_epoch or loop.finite_steps(train, type(self).__name__)
+        steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
         batches = iter(train)
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
 
@@ -141,13 +140,13 @@ class Hybrid(ChannelSharded):
         model: shards on the ``"model"`` axis.
     """
 
+    description = "a DTensor mesh of batch x channels, see --mesh"
+    min_devices, device_multiple = 4, 2
+    device_option = "mesh"
     mesh_axes = ("batch", "model")
 
     def __init__(self, data=2, model=2):
-        for name, value in (("data", data), ("model", model)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
-        super().__init__(devices=data * model)
+        super().__init__(devices=arguments.positive_int("data", data) * arguments.positive_int("model", model))
         self.data, self.model = data, model
 
     def __repr__(self):

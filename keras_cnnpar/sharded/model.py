@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_cnnpar.layers.sharded import (CHANNEL_MIXING, ChannelShardedConv2D, ShardedDense, ShardedLayer,
+from keras_cnnpar.sharded.layers import (CHANNEL_MIXING, ChannelShardedConv2D, ShardedDense, ShardedLayer,
                                          activation_layout, same_padding, to_mesh, to_numpy, windows)
 
 SUPPORTED = ("Conv2D", "Dense", "MaxPooling2D", "AveragePooling2D", "ZeroPadding2D", "Flatten", "Dropout",

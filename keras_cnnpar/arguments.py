@@ -1,0 +1,57 @@
+"""Validators of the options every strategy and command takes; each returns the value or raises a clear error.
+
+>>> positive_int("workers", 2)
+2
+>>> positive_int("workers", True)
+Traceback (most recent call last):
+ValueError: workers must be a positive int. Received: workers=True
+>>> positive_seconds("timeout", 0)
+Traceback (most recent call last):
+ValueError: timeout must be a positive number of seconds. Received: timeout=0
+"""
+
+import math
+import os
+
+#: ``scale_lr`` rules: the learning-rate factor for ``n`` replicas.
+SCALE_LR = {"linear": float, "sqrt": math.sqrt, None: lambda n: 1.0}
+
+
+def positive_int(name, value):
+    """``value`` if it is an int of at least 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+    return value
+
+
+def positive_seconds(name, value):
+    """``value`` if it is a positive number of seconds (int or float, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds. Received: {name}={value!r}")
+    return value
+
+
+def devices(value):
+    """A ``devices`` option: a positive int, or a non-empty list of device names (returned as a list)."""
+    if isinstance(value, bool) or not isinstance(value, (int, list, tuple)):
+        raise TypeError(f"devices must be an int or a list of device names. Received: devices={value!r}")
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"devices must be at least 1. Received: devices={value}")
+    if not isinstance(value, int) and not value:
+        raise ValueError("devices must name at least one device. Received: devices=[]")
+    return value if isinstance(value, int) else list(value)
+
+
+def scale_lr(value):
+    """A ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None`` (also spelled ``"none"``)."""
+    value = None if value == "none" else value
+    if value not in SCALE_LR:
+        raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={value!r}")
+    return value
+
+
+def folder_or_none(name, value):
+    """A folder path option that may be None."""
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path or None. Received: {name}={value!r}")
+    return value
