@@ -17,7 +17,7 @@ def measure(name, train, epochs):
     keras.utils.set_random_seed(0)
     model = cnnpar.models.cnn("2+2")
     timer = EpochTimer(len(train))
-    options = dict(epochs=epochs, batch_size=64, verbose=0, callbacks=[timer])
+    options = {"epochs": epochs, "batch_size": 64, "verbose": 0, "callbacks": [timer]}
     if name == "plain keras":
         keras.Model.fit(model, train.x, train.y, **options)
     else:

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: 4 logical devices (2 replicas, a 2 x 2 mesh), the training split, and per-epoch images/s.
+"""What the benchmark scripts share: 4 logical devices (2 replicas, a 2 x 2 mesh), the training split, images/s.
 
 Import it first: it creates the logical devices before TensorFlow starts.
 """
@@ -10,7 +10,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras_cnnpar as cnnpar  # noqa: E402
+import keras_cnnpar as cnnpar
 
 cnnpar.devices.configure(4)
 

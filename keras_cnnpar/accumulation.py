@@ -17,6 +17,8 @@ Example:
 ...                     strategy=cnnpar.Single(accumulate=2))   # 4 updates of 2 x 32 images
 """
 
+import itertools
+
 import keras
 import tensorflow as tf
 
@@ -36,7 +38,7 @@ class Accumulating(keras.Model):
         size = tf.shape(x)[0]
         bounds = [size * i // self.micro_batches for i in range(self.micro_batches + 1)]
         total = None
-        for start, stop in zip(bounds, bounds[1:]):
+        for start, stop in itertools.pairwise(bounds):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x[start:stop], training=True)
                 loss = self.compute_loss(x=x[start:stop], y=y[start:stop], y_pred=y_pred, training=True)

@@ -16,6 +16,7 @@ Example:
 2
 """
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -73,7 +74,5 @@ class RunCheckpoint:
     def remove(self, folder=None):
         """Delete ``folder`` (default: the run's), and the parent folder when no other run is left in it."""
         shutil.rmtree(folder or self.directory, ignore_errors=True)
-        try:
+        with contextlib.suppress(OSError):
             self.directory.parent.rmdir()
-        except OSError:
-            pass

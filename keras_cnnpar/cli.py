@@ -125,6 +125,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     from keras_cnnpar import models, training
     from keras_cnnpar.checks import ShardCheckFailed
 
+    user_checkpoint_dir = checkpoint_dir is not None
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, runs.CHECKPOINTS)
     try:
@@ -136,6 +137,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
     except ConnectionError as error:
         raise click.ClickException(str(error)) from None
+    if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
+        strategy.checkpoint_dir = None  # --no-log writes nothing; --checkpoint-dir keeps them
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
@@ -274,8 +277,8 @@ def _csv_list(kind, choices=None):
             raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}. Received: {value}") from None
         bad = [v for v in items if choices is not None and v not in choices]
         if bad or not items:
-            raise click.BadParameter(f"expected a comma-separated list of {sorted(choices) if choices else kind.__name__}."
-                                     f" Received: {value}")
+            expected = sorted(choices) if choices else kind.__name__
+            raise click.BadParameter(f"expected a comma-separated list of {expected}. Received: {value}")
         return items
 
     return parse

@@ -10,9 +10,9 @@ cluster has a ``chief`` job.
 >>> task = Task.parse({"cluster": spec, "task": {"type": "worker", "index": 1}})
 >>> task, task.is_chief, task.num_workers
 (<Task worker:1 of {'worker': 2}>, False, 2)
->>> Task.parse({"cluster": spec, "task": {"type": "worker", "index": 2}})
+>>> Task.parse({"cluster": spec, "task": {"type": "worker", "index": 2}})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
-ValueError: TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. Received: task={'type': 'worker', 'index': 2}
+ValueError: TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. Received: task=...
 
 :func:`run_local_workers` starts a command once per worker on this machine,
 each process with its own ``TF_CONFIG``, streams the chief's output and fails
@@ -101,7 +101,8 @@ def _json_file(path):
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as error:
-        raise ValueError(f"cannot read cluster file {path}: {error.strerror}. Received: cluster={str(path)!r}") from None
+        raise ValueError(f"cannot read cluster file {path}: {error.strerror}. "
+                         f"Received: cluster={str(path)!r}") from None
     return _json(text, str(path))
 
 
@@ -238,7 +239,7 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
 
 def _start_worker(command, task, logs):
     env = {**_thread_share(task.num_workers), **os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
-    output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")
+    output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(command, env=env, stdout=output,
                                 stderr=subprocess.STDOUT if output else None, start_new_session=True)

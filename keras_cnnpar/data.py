@@ -203,7 +203,7 @@ def split(digits, *, validation_fraction=0.2, seed=0):
     train_index, val_index = [], []
     for label in np.unique(digits.y):
         members = rng.permutation(np.flatnonzero(digits.y == label))
-        cut = int(round(validation_fraction * len(members)))
+        cut = round(validation_fraction * len(members))
         val_index.append(members[:cut])
         train_index.append(members[cut:])
     train = rng.permutation(np.concatenate(train_index))

@@ -9,8 +9,10 @@ Example:
 
 >>> [(c.model, c.strategy, c.devices) for c in plan(["2+2"], ["single", "mirrored"], [1, 2])[0]]
 [('2+2', 'single', 1), ('2+2', 'mirrored', 2)]
->>> plan(["2+2"], ["single", "hybrid"], [2])[1]
-['single on 2 devices: single runs on 1 device', 'hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4']
+>>> for reason in plan(["2+2"], ["single", "hybrid"], [2])[1]:
+...     print(reason)
+single on 2 devices: single runs on 1 device
+hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4
 """
 
 import csv

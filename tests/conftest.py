@@ -1,8 +1,11 @@
-import keras
-import numpy as np
+"""Fixtures shared by the test modules; plain helpers live in ``tests/helpers.py``."""
+
+import time
+
 import pytest
 
-from keras_cnnpar import data, models
+from keras_cnnpar import data
+from tests import helpers
 
 
 @pytest.fixture(scope="session")
@@ -15,27 +18,30 @@ def digits_split(digits):
     return data.split(digits, validation_fraction=0.2, seed=0)
 
 
-def build_small_cnn(seed=0, learning_rate=0.1):
-    """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD."""
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(8, 5, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ], name="small_cnn")
-    model.compile(optimizer=keras.optimizers.SGD(learning_rate),
-                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return models.parallel(model)
+@pytest.fixture(scope="session")
+def few_digits(digits):
+    """320 class-balanced digits for tests about mechanics: 32 of each class."""
+    return helpers.balanced(digits, 320)
+
+
+@pytest.fixture(scope="session")
+def few_val_digits(digits):
+    """64 class-balanced digits, disjoint from ``few_digits``."""
+    return helpers.balanced(digits, 64, offset=7)
 
 
 @pytest.fixture
 def small_cnn():
-    return build_small_cnn
+    return helpers.build_small_cnn
 
 
-def max_weight_difference(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.get_weights(), b.get_weights()))
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Fail the session if a process that the suite started is still alive at its end (and end it)."""
+    yield
+    deadline = time.monotonic() + 15
+    while (left := helpers.suite_processes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        helpers.kill_tree(pid)
+    assert not left, f"processes started by the test suite outlived it: {left}"

@@ -14,15 +14,15 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import keras_cnnpar as cnnpar  # noqa: E402
+import keras_cnnpar as cnnpar
 
 SHARD_EXAMPLES, SHARD_BATCH, EPOCHS = 48, 8, 2
 
 
 def one_step(strategy, out):
-    from conftest import build_small_cnn
+    from helpers import build_small_cnn
 
     digits = cnnpar.data.load()
     model = build_small_cnn(seed=1)

@@ -4,8 +4,7 @@ import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-
-FLOORS = {"2+2": 0.93, "3+3": 0.92}
+from tests.helpers import FLOORS
 
 
 @pytest.mark.parametrize("kind, strategy", [

@@ -6,26 +6,21 @@ come before any connection and are checked here. Every test bounds its
 processes' time and ends the servers it started.
 """
 
-import csv
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import cluster
-from tests.test_multi_worker import ENV, epoch_column, processes, wait_for_epoch_rows
+from tests.helpers import ENV, cnnpar_command, epoch_column, processes, wait_for_epoch_rows, wait_for_file
+from tests.helpers import read_rows as rows
 
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_async-ps_2dev"
-
-
-def cnnpar_command(*args):
-    return [sys.executable, "-m", "keras_cnnpar.cli", *args]
 
 
 def train(tmp_path, *args, timeout=400):
@@ -35,22 +30,20 @@ def train(tmp_path, *args, timeout=400):
     return result
 
 
-def rows(path):
-    with open(path, newline="") as file:
-        return list(csv.DictReader(file))
-
-
 def test_in_process_cluster_reaches_single_accuracy_within_3_points(tmp_path):
     train(tmp_path, "--strategy", "single", "--epochs", "3")
     train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "1", "--epochs", "3")
     single, async_ps = rows(tmp_path / "results" / "runs.csv")
     assert abs(float(async_ps["val_accuracy"]) - float(single["val_accuracy"])) <= 0.03, (single, async_ps)
-    assert float(async_ps["speedup"]) > 0
+    ratio = float(async_ps["images_per_second"]) / float(single["images_per_second"])
+    assert float(async_ps["speedup"]) == pytest.approx(ratio, abs=1e-3)
     epochs = rows(tmp_path / "results" / f"{RUN}.csv")
     assert [int(e["epoch"]) for e in epochs] == [1, 2, 3]
     for epoch in epochs:
         assert float(epoch["steps_applied"]) == 63.0  # 4,000 images at batch 64, each step applied once
-        assert float(epoch["staleness_max"]) >= float(epoch["staleness_mean"]) >= 0.0
+        # Two workers update at once: some steps find the other's update landed after they read the weights.
+        assert float(epoch["staleness_max"]) >= 1.0
+        assert 0.0 < float(epoch["staleness_mean"]) < float(epoch["staleness_max"])
         assert float(epoch["lost_workers"]) == 0.0
     log = (tmp_path / "results" / "results.log").read_text()
     assert "layout async-ps: 2 workers, 1 parameter servers (in-process cluster" in log
@@ -125,13 +118,6 @@ def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path)
     assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
     assert re.search(rf"layout resumed from {checkpoint} after epoch \d", (results / "results.log").read_text())
     assert not (results / "checkpoints").exists()
-
-
-def wait_for_file(path, process, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline and process.poll() is None, f"no {path} within {timeout} s"
-        time.sleep(0.2)
 
 
 def test_cluster_commands_refuse_to_overwrite_or_guess_a_spec(tmp_path):

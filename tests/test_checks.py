@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import checks, rebuild
-from tests.conftest import build_small_cnn, max_weight_difference
+from tests.helpers import build_small_cnn, max_weight_difference
 
 
 class SummedReplicaGradients(cnnpar.DataParallel):
@@ -28,8 +28,8 @@ class SameBatchOnEveryReplica(cnnpar.DataParallel):
 
 @pytest.mark.parametrize("strategy, verdict", [(cnnpar.DataParallel(2), "pass"), (SummedReplicaGradients(2), "FAIL"),
                                                (cnnpar.ChannelSharded(2), "pass")], ids=repr)
-def test_gradient_parity_check_passes_correct_strategies_and_catches_a_scaling_bug(strategy, verdict, digits):
-    check = checks.GradientParityCheck(build_small_cnn(), strategy, digits.x[:64], digits.y[:64])
+def test_gradient_parity_check_passes_correct_strategies_and_catches_a_scaling_bug(strategy, verdict, few_digits):
+    check = checks.GradientParityCheck(build_small_cnn(), strategy, few_digits[0][:64], few_digits[1][:64])
     check.on_train_begin()
     assert check.verdict == verdict
     if verdict == "pass":
@@ -38,8 +38,8 @@ def test_gradient_parity_check_passes_correct_strategies_and_catches_a_scaling_b
         assert check.difference > 1e-2
 
 
-def test_shard_check_passes_sharded_input_and_fails_loudly_on_the_same_batch(digits):
-    x, y = digits.x[:256], digits.y[:256]
+def test_shard_check_passes_sharded_input_and_fails_loudly_on_the_same_batch(few_digits):
+    x, y = few_digits[0][:256], few_digits[1][:256]
     good = checks.ShardCheck(cnnpar.DataParallel(2), x, y, 64)
     good.on_train_begin()
     assert good.overlap == 0.0
@@ -50,11 +50,12 @@ def test_shard_check_passes_sharded_input_and_fails_loudly_on_the_same_batch(dig
                   callbacks=[checks.ShardCheck(SameBatchOnEveryReplica(2), x, y, 64)])
 
 
-def test_accumulating_two_steps_equals_one_step_on_twice_the_batch(digits):
-    x, y = digits.x[:64], digits.y[:64]
+@pytest.mark.parametrize("strategy", [cnnpar.Single(accumulate=2), cnnpar.DataParallel(2, accumulate=2)], ids=repr)
+def test_accumulating_two_steps_equals_one_step_on_twice_the_batch(few_digits, strategy):
+    x, y = few_digits[0][:64], few_digits[1][:64]
     once, accumulated = build_small_cnn(), build_small_cnn()
     cnnpar.fit(once, x, y, strategy="single", batch_size=64, shuffle=False, verbose=0, results_dir=None)
-    cnnpar.fit(accumulated, x, y, strategy=cnnpar.DataParallel(2, accumulate=2), batch_size=32, shuffle=False,
-               verbose=0, results_dir=None)
+    cnnpar.fit(accumulated, x, y, strategy=strategy, batch_size=32, shuffle=False, verbose=0, results_dir=None)
     assert max_weight_difference(once, build_small_cnn()) > 1e-3
     assert max_weight_difference(once, accumulated) < 1e-5
+    assert int(accumulated.optimizer.iterations.numpy()) == 1  # one update for the two micro-batches

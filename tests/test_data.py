@@ -3,15 +3,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from keras_cnnpar import data
-
-HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
-
-
-def row(label="3", pixel="0", at=None, value=None, count=784):
-    pixels = [pixel] * count
-    if at is not None:
-        pixels[at] = value
-    return ",".join([label, *pixels])
+from tests.helpers import BAD_TRAIN_FILES, write_lines
 
 
 def test_embedded_default_is_5000_real_digits_scaled_to_unit_range(digits):
@@ -34,7 +26,8 @@ def test_split_is_stratified_disjoint_and_seeded(digits):
 
 
 def test_split_rejects_a_fraction_outside_zero_one(digits):
-    with pytest.raises(ValueError, match=r"^validation_fraction must be in \[0, 1\). Received: validation_fraction=1.0$"):
+    with pytest.raises(ValueError, match=r"^validation_fraction must be in \[0, 1\). "
+                                         r"Received: validation_fraction=1.0$"):
         data.split(digits, validation_fraction=1.0)
 
 
@@ -54,50 +47,6 @@ def test_kaggle_files_round_trip_through_the_csv_loader(tmp_path, digits):
     pixels, labels = data.read_kaggle_csv(test_path, labeled=False)
     assert pixels.shape == (1000, 784) and labels is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test.csv", "train.csv"]
-
-
-BAD_TRAIN_FILES = {
-    "wrong column count": (
-        [HEADER, row(), row(count=783)],
-        "{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). Received: 784 values"),
-    "non-numeric value": (
-        [HEADER, row(at=12, value="abc")],
-        "{path}, line 2, column pixel12: expected a number. Received: 'abc'"),
-    "NaN": (
-        [HEADER, row(), row(), row(at=5, value="nan")],
-        "{path}, line 4, column pixel5: expected a finite number. Received: nan"),
-    "infinity": (
-        [HEADER, row(at=0, value="inf")],
-        "{path}, line 2, column pixel0: expected a finite number. Received: inf"),
-    "pixel above 255": (
-        [HEADER, row(at=783, value="256")],
-        "{path}, line 2, column pixel783: expected a pixel value in 0..255. Received: 256"),
-    "negative pixel": (
-        [HEADER, row(), row(at=1, value="-1")],
-        "{path}, line 3, column pixel1: expected a pixel value in 0..255. Received: -1"),
-    "label above 9": (
-        [HEADER, row(label="10")],
-        "{path}, line 2, column label: expected an integer label in 0..9. Received: 10"),
-    "fractional label": (
-        [HEADER, row(label="2.5")],
-        "{path}, line 2, column label: expected an integer label in 0..9. Received: 2.5"),
-    "wrong header": (
-        ["id,pixel0", row()],
-        "{path}, line 1: expected the header label,pixel0..pixel783. Received: 'id,pixel0'"),
-    "empty file": (
-        [],
-        "{path}: the file is empty; expected a header line and rows of 785 comma-separated values "
-        "(label,pixel0..pixel783). Received: 0 lines"),
-    "header only": (
-        [HEADER],
-        "{path}: the file has a header but no rows; expected rows of 785 comma-separated values "
-        "(label,pixel0..pixel783). Received: 0 rows"),
-}
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines))
-    return path
 
 
 @pytest.mark.parametrize("case", sorted(BAD_TRAIN_FILES))
@@ -127,7 +76,7 @@ def test_tfds_source_loads_through_tensorflow_datasets(tmp_path):
     with tfds.testing.mock_data(num_examples=40, data_dir=str(tmp_path)):
         loaded = data.load("tfds:mnist", data_dir=str(tmp_path))
     assert loaded.x.shape == (40, 28, 28, 1) and loaded.x.dtype == np.float32
-    assert 0.0 <= loaded.x.min() and loaded.x.max() <= 1.0
+    assert loaded.x.min() >= 0.0 and loaded.x.max() <= 1.0
     assert loaded.num_classes == 10 and set(loaded.y) <= set(range(10))
     assert loaded.source == "tfds:mnist"
 

@@ -1,46 +1,65 @@
-import csv
 import re
 import statistics
+import subprocess
+import sys
 
 import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import callbacks
+from keras_cnnpar import experiments, runs
+from tests.helpers import ENV, documented_runs_columns
+from tests.helpers import read_rows as read
 
 EPOCH_COLUMNS = ["epoch", "accuracy", "devices", "epoch_seconds", "global_batch", "images_per_second", "loss",
                  "strategy", "timestamp", "train_seconds", "val_accuracy", "val_loss"]
 CSV_NAME = "small_cnn_keras_tensorflow_{}.csv"
 
 
-def read(path):
-    with open(path, newline="") as file:
-        return list(csv.DictReader(file))
+@pytest.fixture
+def train(few_digits, few_val_digits):
+    """Fit on 320 class-balanced digits (256 to train, 64 to validate) with logging into ``results_dir``."""
+    (x, y), validation = few_digits, few_val_digits
+
+    def fit(model, results_dir, strategy="single", **kwargs):
+        kwargs = {"epochs": 2, "verbose": 0, "batch_size": 64, **kwargs}
+        return model.fit(x[:256], y[:256], validation_data=validation, strategy=strategy, results_dir=results_dir,
+                         **kwargs)
+
+    return fit
 
 
-def train(model, digits, results_dir, strategy="single", **kwargs):
-    kwargs = {"epochs": 2, "verbose": 0, **kwargs}
-    return model.fit(digits.x[:256], digits.y[:256], batch_size=64, validation_data=(digits.x[256:320],
-                     digits.y[256:320]), strategy=strategy, results_dir=results_dir, **kwargs)
+class ReadEpochCsv(keras.callbacks.Callback):
+    """Reads the epoch CSV at the start of each epoch, while training is still running."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.seen = path, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.seen.append([r["epoch"] for r in read(self.path)] if self.path.exists() else None)
 
 
-def test_epoch_csv_has_one_flushed_row_per_epoch_with_stable_columns(small_cnn, digits, tmp_path):
-    train(small_cnn(), digits, tmp_path, strategy=cnnpar.DataParallel(2), epochs=3)
-    rows = read(tmp_path / CSV_NAME.format("mirrored_2dev"))
+def test_epoch_csv_has_one_row_per_epoch_flushed_during_training(small_cnn, tmp_path, train):
+    path = tmp_path / CSV_NAME.format("mirrored_2dev")
+    reader = ReadEpochCsv(path)
+    history = train(small_cnn(), tmp_path, strategy=cnnpar.DataParallel(2), epochs=3, callbacks=[reader])
+    assert reader.seen == [[], ["1"], ["1", "2"]]  # each row is on disk before the next epoch starts
+    rows = read(path)
     assert list(rows[0]) == EPOCH_COLUMNS
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     assert {(r["strategy"], r["devices"], r["global_batch"]) for r in rows} == {("mirrored", "2", "64")}
-    for r in rows:
+    for r, val_accuracy in zip(rows, history.history["val_accuracy"]):
         assert float(r["images_per_second"]) == pytest.approx(256 / float(r["train_seconds"]), rel=1e-3)
         assert 0 < float(r["train_seconds"]) <= float(r["epoch_seconds"])
-        assert 0.0 <= float(r["val_accuracy"]) <= 1.0
+        assert float(r["val_accuracy"]) == pytest.approx(val_accuracy, abs=1e-6)
 
 
-def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, digits, tmp_path):
-    train(small_cnn(), digits, tmp_path, epochs=3)
-    train(small_cnn(), digits, tmp_path, strategy="mirrored", epochs=3)
+def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, tmp_path, train):
+    train(small_cnn(), tmp_path, epochs=3)
+    train(small_cnn(), tmp_path, strategy="mirrored", epochs=3)
     single, mirrored = read(tmp_path / "runs.csv")
-    assert list(single) == callbacks.RUNS_COLUMNS
+    assert list(single) == documented_runs_columns()
     assert (single["strategy"], single["speedup"], single["efficiency"]) == ("single", "1.0", "1.0")
     ratio = float(mirrored["images_per_second"]) / float(single["images_per_second"])
     assert float(mirrored["speedup"]) == pytest.approx(ratio, abs=1e-4)
@@ -51,24 +70,24 @@ def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, digi
     assert float(single["images_per_second"]) == pytest.approx(statistics.median(after_first), abs=0.01)
 
 
-def test_results_log_has_timestamped_start_epoch_and_end_lines(small_cnn, digits, tmp_path):
-    train(small_cnn(), digits, tmp_path)
+def test_results_log_has_timestamped_start_epoch_and_end_lines(small_cnn, tmp_path, train):
+    train(small_cnn(), tmp_path)
     lines = (tmp_path / "results.log").read_text().splitlines()
     assert [line.split()[1] for line in lines] == ["start", "epoch", "epoch", "end"]
     assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ", line) for line in lines)
     assert "epoch 2/2 loss=" in lines[2]
 
 
-def test_a_rerun_from_initial_epoch_keeps_earlier_rows_without_duplicates(small_cnn, digits, tmp_path):
+def test_a_rerun_from_initial_epoch_keeps_earlier_rows_without_duplicates(small_cnn, tmp_path, train):
     model = small_cnn()
-    train(model, digits, tmp_path, epochs=3)
-    train(model, digits, tmp_path, epochs=4, initial_epoch=2)
+    train(model, tmp_path, epochs=3)
+    train(model, tmp_path, epochs=4, initial_epoch=2)
     assert [r["epoch"] for r in read(tmp_path / CSV_NAME.format("single_1dev"))] == ["1", "2", "3", "4"]
 
 
-def test_results_dir_none_writes_nothing(small_cnn, digits, tmp_path, monkeypatch):
+def test_results_dir_none_writes_nothing(small_cnn, tmp_path, monkeypatch, train):
     monkeypatch.chdir(tmp_path)
-    train(small_cnn(), digits, None)
+    train(small_cnn(), None)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -77,9 +96,45 @@ class Explode(keras.callbacks.Callback):
         raise RuntimeError("boom")
 
 
-def test_a_failed_run_leaves_no_empty_csv_and_logs_why(small_cnn, digits, tmp_path):
+def test_a_failed_run_leaves_no_empty_csv_and_logs_why(small_cnn, tmp_path, train):
     with pytest.raises(RuntimeError, match="boom"):
-        train(small_cnn(), digits, tmp_path, callbacks=[Explode()])
+        train(small_cnn(), tmp_path, callbacks=[Explode()])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.log"]
     assert (tmp_path / "results.log").read_text().splitlines()[-1].endswith(
         "failed model=small_cnn strategy=single: RuntimeError: boom")
+
+
+def run_row(model, strategy, devices, batch, images_per_second):
+    return {"model": model, "strategy": strategy, "devices": str(devices), "global_batch": str(batch),
+            "images_per_second": str(images_per_second)}
+
+
+def test_the_speedup_baseline_is_the_latest_single_run_of_the_same_model_and_batch():
+    rows = [run_row("a", "single", 1, 64, 100), run_row("a", "single", 1, 128, 400), run_row("b", "single", 1, 64, 7),
+            run_row("a", "mirrored", 2, 64, 150), run_row("a", "single", 1, 64, 120)]
+    assert runs.single_throughput(rows, "a", 64) == 120.0  # the latest, not the first or another batch's
+    assert runs.single_throughput(rows, "a", 128) == 400.0
+    assert runs.single_throughput(rows, "a", 32) is None
+    assert runs.speedup_and_efficiency("mirrored", 2, 150.0, 120.0) == (1.25, 0.625)
+    assert runs.speedup_and_efficiency("mirrored", 2, 150.0, None) == ("", "")
+
+
+def test_runs_csv_and_the_sweep_summary_agree_on_speedup(small_cnn, tmp_path, train):
+    train(small_cnn(), tmp_path, epochs=2)  # the Single baseline at batch 64
+    train(small_cnn(), tmp_path, epochs=2, strategy="layers")
+    train(small_cnn(), tmp_path, epochs=2, batch_size=32, strategy="mirrored")  # no Single run at batch 32
+    recorded = {r["epoch_csv"]: r for r in read(tmp_path / "runs.csv")}
+    summary = {row["strategy"]: row for row in experiments.summarize(tmp_path)}
+    assert sorted(summary) == ["layers", "mirrored", "single"]
+    assert float(recorded[CSV_NAME.format("layers_2dev")]["speedup"]) == \
+        pytest.approx(summary["layers"]["speedup"], abs=1e-4)
+    assert recorded[CSV_NAME.format("mirrored_2dev")]["speedup"] == ""  # no baseline at this batch ...
+    assert summary["mirrored"]["speedup"] != summary["mirrored"]["speedup"]  # ... in the summary either (NaN)
+
+
+def test_no_log_writes_no_file_at_all(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--no-log", "--epochs", "1",
+                             "--strategy", "async-ps", "--model", "3+3", "--verbose", "0"], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == []

@@ -47,7 +47,7 @@ def test_unknown_model_lists_the_valid_ones():
 
 
 def test_parallel_rejects_what_is_not_a_keras_model():
-    with pytest.raises(TypeError, match="^parallel\\(\\) takes a keras.Model. Received: model=str$"):
+    with pytest.raises(TypeError, match=r"^parallel\(\) takes a keras.Model. Received: model=str$"):
         cnnpar.parallel("model")
 
 

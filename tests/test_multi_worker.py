@@ -3,8 +3,6 @@
 Every test bounds its processes' time and kills whatever it started.
 """
 
-import contextlib
-import csv
 import json
 import os
 import re
@@ -18,33 +16,25 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cluster
-from tests.conftest import build_small_cnn
-from tests.test_accuracy import FLOORS
+from keras_cnnpar import checkpoints
+from tests.helpers import (
+    ENV,
+    FLOORS,
+    build_small_cnn,
+    epoch_column,
+    max_difference,
+    processes,
+    read_rows,
+    wait_for_epoch_rows,
+    worker_envs,
+    worker_pid,
+)
 
 JOB = Path(__file__).with_name("multi_worker_job.py")
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
 RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"}
-ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-
-
-@contextlib.contextmanager
-def processes(commands, cwd, envs):
-    """Start one process per command; on leaving, kill those still running."""
-    started = [subprocess.Popen(c, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for c, e in zip(commands, envs)]
-    try:
-        yield started
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
-
-
-def worker_envs(workers=2):
-    spec = cluster.local_spec(workers)
-    return [{**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]
+#: The exit code of a preempted worker, as docs/strategies.md documents it.
+PREEMPTED = 42
 
 
 def run_job(mode, tmp_path, timeout=180):
@@ -59,39 +49,16 @@ def cnnpar_train(*args):
     return [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "multi-worker", "--verbose", "2", *args]
 
 
-def wait_for_epoch_rows(csv_path, rows, process, timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if csv_path.exists() and len(csv_path.read_text().splitlines()) > rows:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"no epoch row {rows} in {csv_path} within {timeout} s")
-
-
-def worker_pid(launcher, index):
-    """The pid of local worker ``index`` started by the launcher process."""
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-    for pid in children:
-        if f'"index": {index}}}' in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
-            return int(pid)
-    raise AssertionError(f"worker {index} is not a child of the launcher {launcher.pid}: {children}")
-
-
-def epoch_column(csv_path):
-    with open(csv_path, newline="") as file:
-        return [int(row["epoch"]) for row in csv.DictReader(file)]
-
-
 def test_one_sgd_step_matches_data_parallel_within_1e_5(tmp_path, digits):
     out = run_job("step", tmp_path)
     reference = build_small_cnn(seed=1)
     cnnpar.fit(reference, digits.x[::78][:64], digits.y[::78][:64], strategy=cnnpar.DataParallel(2),
                batch_size=64, epochs=1, shuffle=False, verbose=0, results_dir=None)
-    chief, other = (np.load(f"{out}.{i}.npz") for i in (0, 1))
-    chief = [chief[f"arr_{i}"] for i in range(len(chief.files))]
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(chief, reference.get_weights())) < 1e-5
-    assert max(float(np.max(np.abs(a - other[f"arr_{i}"]))) for i, a in enumerate(chief)) == 0.0
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(chief, build_small_cnn(seed=1).get_weights())) > 1e-3
+    chief, other = ([arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+                    for arrays in (np.load(f"{out}.{i}.npz") for i in (0, 1)))
+    assert max_difference(chief, reference.get_weights()) < 1e-5
+    assert max_difference(chief, other) == 0.0
+    assert max_difference(chief, build_small_cnn(seed=1).get_weights()) > 1e-3
 
 
 def test_each_worker_gets_a_different_slice_of_every_batch(tmp_path):
@@ -117,22 +84,24 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
     assert sorted(os.listdir(tmp_path / "results")) == \
         [f"{run_name}.csv", f"{run_name}.weights.h5", "results.log", "runs.csv"]
     assert epoch_column(tmp_path / "results" / f"{run_name}.csv") == [1, 2, 3]
-    with open(tmp_path / "results" / "runs.csv", newline="") as file:
-        run = list(csv.DictReader(file))[-1]
+    (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
     assert float(run["val_accuracy"]) >= FLOORS[kind], run
     assert run["devices"] == "2"
+    log = (tmp_path / "results" / "results.log").read_text().splitlines()
+    assert [line.split()[1] for line in log].count("start") == 1
+    assert [line.split()[1] for line in log].count("end") == 1
     assert sorted(p.name for p in temp.iterdir() if p.name.startswith("cnnpar-workers-")) == []
-    assert result.stdout.count("Run summary") == 1  # the chief's output only
 
 
-def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epochs(tmp_path):
+@pytest.mark.parametrize("target", ["launcher", "worker 1"])
+def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, target):
     results = tmp_path / "results"
-    command = cnnpar_train("--workers", "2", "--epochs", "2", "--results", "results")
+    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # the signal lands early in epoch 2
-        os.kill(worker_pid(launcher, 1), signal.SIGTERM)
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 2 more are to come
+        os.kill(launcher.pid if target == "launcher" else worker_pid(launcher, 1), signal.SIGTERM)
         output = launcher.communicate(timeout=120)[0]
-    assert launcher.returncode == cluster.PREEMPTED_EXIT_CODE, output[-3000:]
+    assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
                      r"to continue", output)
     checkpoint = results / "checkpoints" / RUN
@@ -143,7 +112,7 @@ def test_sigterm_to_a_worker_checkpoints_and_resume_completes_the_remaining_epoc
     result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert epoch_column(results / f"{RUN}.csv") == [1, 2]
+    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
     assert f"layout resumed from results/checkpoints/{RUN} after epoch {done[-1]}" in \
         (results / "results.log").read_text()
     assert not (results / "checkpoints").exists()
@@ -171,7 +140,7 @@ def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
         output = chief.communicate(timeout=60)[0]
         waited = time.monotonic() - killed
     assert chief.returncode == 1
-    assert waited < 30
+    assert waited < 15 + 30  # the collective timeout, plus a margin that a loaded 2-core machine meets
     assert "Error: worker 0: training stopped because a peer failed or did not answer within timeout=15.0 s; " \
            "lost: /job:worker/replica:0/task:1." in output
 

@@ -8,7 +8,6 @@ from click.testing import CliRunner
 import keras_cnnpar as cnnpar
 from keras_cnnpar import cli, serving
 
-
 STRATEGIES = {"single": "single", "mirrored": "mirrored",
               "layers": cnnpar.LayerPlacement(2, microbatches=2)}
 

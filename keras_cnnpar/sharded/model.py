@@ -15,8 +15,9 @@ Example:
 >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
 >>> model = models.cnn("2+2")
 >>> sharded = ShardedSequential(model, mesh)
->>> [(type(layer).__name__, layer.mode) for layer in sharded.sharded_layers]
-[('ChannelShardedConv2D', 'column'), ('ChannelShardedConv2D', 'row'), ('ShardedDense', 'column'), ('ShardedDense', 'row')]
+>>> [(type(layer).__name__, layer.mode) for layer in sharded.sharded_layers]  # doctest: +NORMALIZE_WHITESPACE
+[('ChannelShardedConv2D', 'column'), ('ChannelShardedConv2D', 'row'),
+ ('ShardedDense', 'column'), ('ShardedDense', 'row')]
 >>> x = np.random.default_rng(0).random((2, 28, 28, 1), dtype="float32")
 >>> bool(np.allclose(sharded.forward(x), model.predict(x, verbose=0), atol=1e-5))
 True
@@ -29,8 +30,17 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_cnnpar.sharded.layers import (CHANNEL_MIXING, ChannelShardedConv2D, ShardedDense, ShardedLayer,
-                                         activation_layout, same_padding, to_mesh, to_numpy, windows)
+from keras_cnnpar.sharded.layers import (
+    CHANNEL_MIXING,
+    ChannelShardedConv2D,
+    ShardedDense,
+    ShardedLayer,
+    activation_layout,
+    same_padding,
+    to_mesh,
+    to_numpy,
+    windows,
+)
 
 SUPPORTED = ("Conv2D", "Dense", "MaxPooling2D", "AveragePooling2D", "ZeroPadding2D", "Flatten", "Dropout",
              "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax")
@@ -103,7 +113,8 @@ class Elementwise(tf.Module):
         super().__init__(name=layer.name)
         self.layer, self.mesh = layer, mesh
         self.mixing = isinstance(layer, keras.layers.Softmax) or (
-            isinstance(layer, keras.layers.Activation) and keras.activations.serialize(layer.activation) in CHANNEL_MIXING)
+            isinstance(layer, keras.layers.Activation)
+            and keras.activations.serialize(layer.activation) in CHANNEL_MIXING)
 
     def __call__(self, x, training=False):
         if self.mixing:
@@ -202,10 +213,11 @@ class ShardedSequential(tf.Module):
                  f"{'layer':<14}{'mode':<8}{'kernel shape':<20}{'kernel layout (- whole)':<26}{'bytes/device':>13}"]
         for layer in self.sharded_layers:
             layout = "(" + ", ".join("-" if axis == dtensor.UNSHARDED else axis for axis in layer.kernel_layout) + ")"
-            lines.append(f"{layer.name:<14}{layer.mode:<8}{str(tuple(layer.kernel.shape)):<20}{layout:<26}"
+            lines.append(f"{layer.name:<14}{layer.mode:<8}{tuple(layer.kernel.shape)!s:<20}{layout:<26}"
                          f"{sum(bytes_per_device(v) for v in layer.variables_in_order):>13,}")
         total = sum(4 * math.prod(v.shape) for v in self.weights)
-        lines.append(f"parameters: {total:,} bytes in all, {sum(map(bytes_per_device, self.weights)):,} bytes per device")
+        per_device = sum(map(bytes_per_device, self.weights))
+        lines.append(f"parameters: {total:,} bytes in all, {per_device:,} bytes per device")
         return "\n".join(lines)
 
 

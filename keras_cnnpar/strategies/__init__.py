@@ -6,12 +6,22 @@
 """
 
 from keras_cnnpar.strategies.async_ps import AsyncPS
-from keras_cnnpar.strategies.base import PeerLost, Strategy, accepts, create, names, register, resolve
+from keras_cnnpar.strategies.base import (
+                                          CheckpointedStrategy,
+                                          PeerLost,
+                                          Strategy,
+                                          accepts,
+                                          create,
+                                          names,
+                                          register,
+                                          resolve,
+)
 from keras_cnnpar.strategies.mirrored import DataParallel
 from keras_cnnpar.strategies.multi_worker import MultiWorker, Preempted
 from keras_cnnpar.strategies.placement import LayerPlacement
 from keras_cnnpar.strategies.single import Single
 from keras_cnnpar.strategies.tensor_parallel import ChannelSharded, Hybrid
 
-__all__ = ["AsyncPS", "ChannelSharded", "DataParallel", "Hybrid", "LayerPlacement", "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy",
-           "accepts", "create", "names", "register", "resolve"]
+__all__ = ["AsyncPS", "ChannelSharded", "CheckpointedStrategy", "DataParallel", "Hybrid", "LayerPlacement",
+           "MultiWorker", "PeerLost", "Preempted", "Single", "Strategy", "accepts", "create", "names", "register",
+           "resolve"]

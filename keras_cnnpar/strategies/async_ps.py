@@ -204,6 +204,7 @@ class _AsyncLoop:
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
         self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset))
+        self._groups = {}
 
     def run_epoch(self, steps):
         self.model.reset_metrics()
@@ -219,8 +220,13 @@ class _AsyncLoop:
                 "steps_applied": float(int(self.applied.numpy()) - applied_before),
                 "lost_workers": float(len(cluster_lib.unreachable(self.workers)))}
 
-    @functools.cache
     def _group(self, size):
+        """The ``tf.function`` that runs ``size`` steps on one worker (traced once per size)."""
+        if size not in self._groups:
+            self._groups[size] = self._traced_group(size)
+        return self._groups[size]
+
+    def _traced_group(self, size):
         model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
 
         def one_step(batch):

@@ -72,12 +72,15 @@ class LayerPlacement(Strategy):
         names = device_lib.resolve(self.devices)
         layers = list(model.layers)
         owner = assign_stages(layers, len(names), self.placement, names)
-        self.stages = [Stage(names[d], [l for l, o in zip(layers, owner) if o == d])
+        self.stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d])
                        for d in dict.fromkeys(owner)]  # in layer order
         device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
 
         def clone(user_model):
-            placed = keras.models.clone_model(user_model, clone_function=lambda l: _placed(l, device_of[l.name]))
+            def place(layer):
+                return _placed(layer, device_of[layer.name])
+
+            placed = keras.models.clone_model(user_model, clone_function=place)
             return placed if self.microbatches == 1 else _MicroBatched(placed, self.microbatches)
 
         return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone)
@@ -88,7 +91,7 @@ class LayerPlacement(Strategy):
         lines = [f"{'stage':<6}{'device':<16}{'params':>11}{'bytes':>13}{'MFLOP/img':>11}{'share':>7}  layers"]
         for i, s in enumerate(self.stages):
             lines.append(f"{i:<6}{s.device:<16}{s.params:>11,}{s.bytes:>13,}{s.flops / 1e6:>11.2f}"
-                         f"{s.flops / total:>7.2f}  {', '.join(l.name for l in s.layers)}")
+                         f"{s.flops / total:>7.2f}  {', '.join(layer.name for layer in s.layers)}")
         p, m = len(self.stages), self.microbatches
         lines.append(f"balance: the largest stage has {max(s.flops for s in self.stages) / total:.0%} of the FLOPs "
                      f"(even: {1 / p:.0%}); expected bubble (p-1)/(m+p-1) = {bubble_fraction(p, m):.3f}")
@@ -111,7 +114,7 @@ class Stage:
     def __init__(self, device, layers):
         self.device, self.layers = device, layers
         self.params = sum(layer.count_params() for layer in layers)
-        self.bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for l in layers for w in l.weights)
+        self.bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for layer in layers for w in layer.weights)
         self.flops = sum(layer_flops(layer) for layer in layers)
 
 
@@ -239,7 +242,7 @@ class StageTimes(keras.callbacks.Callback):
         layers = {layer.name: layer for layer in _inner(self.model).layers}
         self.seconds = []
         for stage in self.strategy.stages:
-            seconds, x = _time_stage([layers[l.name] for l in stage.layers], x)
+            seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -1,6 +1,7 @@
 """Tensor parallel on DTensor meshes: ``ChannelSharded`` (channels over devices) and ``Hybrid`` (batch x channels)."""
 
 import math
+import typing
 
 import keras
 import numpy as np
@@ -180,7 +181,8 @@ def _steps(sharded, optimizer, loss_fn):
         with tf.GradientTape() as tape:
             loss, y_pred = loss_and_predictions(x, y, True)
         # Laid out like their variables, the gradients are all-reduced over "batch" before the update reads them.
-        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, sharded.weights), sharded.weights)]
+        gradients = tape.gradient(loss, sharded.weights)
+        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(gradients, sharded.weights)]
         optimizer.apply(gradients, sharded.weights, learning_rate)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
@@ -225,10 +227,11 @@ class _MeshOptimizer:
     epoch, so schedules set by callbacks apply.
     """
 
-    SLOTS = {"SGD": ("momentum",), "Adam": ("momentum", "velocity")}
+    SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity")}
     #: Settings this rule does not implement, with the value they must keep.
-    DEFAULTS = {"weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
-                "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
+    DEFAULTS: typing.ClassVar = {
+        "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+        "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
 
     def __init__(self, optimizer, variables):
         kind = type(optimizer).__name__

@@ -1,0 +1,245 @@
+"""What several test modules share: small models, class-balanced digits, the accuracy floors, CLI and process helpers.
+
+Test modules import from here, never from each other or from ``conftest.py``.
+"""
+
+import contextlib
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+from click.testing import CliRunner
+
+from keras_cnnpar import cli, cluster, training
+
+#: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
+FLOORS = {"2+2": 0.93, "3+3": 0.92}
+#: Set by the root conftest.py for the whole session: every process the suite starts inherits it, so the
+#: end-of-session check can find any left behind.
+SUITE_MARK = "CNNPAR_TEST_SUITE"
+#: The environment of every subprocess the tests start.
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def balanced(digits, n, offset=0):
+    """``(x, y)``: ``n`` digits spread evenly over the class-ordered data, so every class is in them.
+
+    mnist-5k holds 500 digits per class in class order: ``digits.x[:n]`` with
+    ``n <= 500`` is all zeros, and could not expose a strategy that pairs
+    images with the wrong labels. ``offset`` (below ``len(digits) // n``)
+    picks another, disjoint set.
+    """
+    step = len(digits.y) // n
+    assert 0 <= offset < step, f"offset {offset} must be below {step}"
+    index = offset + np.arange(n) * step
+    x, y = digits.x[index], digits.y[index]
+    assert len(np.unique(y)) == digits.num_classes
+    return x, y
+
+
+def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None):
+    """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD by default."""
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(8, 5, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(2),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10, activation="softmax"),
+    ], name="small_cnn")
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(learning_rate),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return training.parallel(model)
+
+
+def max_weight_difference(a, b):
+    """The largest absolute difference between two models' weights (they must have the same, non-empty list)."""
+    return max_difference(a.get_weights(), b.get_weights())
+
+
+def max_difference(first, second):
+    """The largest absolute difference between two equally long, non-empty lists of arrays."""
+    assert len(first) == len(second) > 0, (len(first), len(second))
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(first, second))
+
+
+def read_rows(path):
+    """The rows of a CSV file as dicts."""
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def epoch_column(csv_path):
+    return [int(row["epoch"]) for row in read_rows(csv_path)]
+
+
+def documented_runs_columns():
+    """The columns of ``runs.csv`` as docs/results.md lists them, in order."""
+    text = " ".join((Path(__file__).parents[1] / "docs" / "results.md").read_text().split())
+    listed = text.split("One row per finished run: `", 1)[1].split("`", 1)[0]
+    return [column.strip() for column in listed.split(",")]
+
+
+def run_cli(*args):
+    """Invoke the ``cnnpar`` CLI in-process; return click's result."""
+    return CliRunner().invoke(cli.main, [str(a) for a in args])
+
+
+def cnnpar_command(*args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", *args]
+
+
+
+
+@contextlib.contextmanager
+def processes(commands, cwd, envs):
+    """Start one process per command, each in a session of its own; on leaving, kill every process of those
+    sessions (workers and servers they started included)."""
+    started = [subprocess.Popen(c, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True) for c, e in zip(commands, envs)]
+    try:
+        yield started
+    finally:
+        for process in started:
+            kill_tree(process.pid)
+            process.communicate()
+
+
+def kill_tree(pid):
+    """SIGKILL the process ``pid`` and every descendant of it that is still running."""
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid):
+    """Every process below ``pid``, children first."""
+    found, queue = [], [pid]
+    while queue:
+        parent = queue.pop()
+        try:
+            tasks = Path(f"/proc/{parent}/task").iterdir()
+            children = [int(c) for task in tasks for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        found += children
+        queue += children
+    return found
+
+
+def suite_processes():
+    """Pids of live processes started by this test session (they carry ``SUITE_MARK`` in their environment)."""
+    mark = f"{SUITE_MARK}={os.environ[SUITE_MARK]}".encode()
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0") and not _zombie(entry):
+                alive.append(int(entry.name))
+        except OSError:
+            continue
+    return alive
+
+
+def _zombie(entry):
+    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def worker_envs(workers=2):
+    spec = cluster.local_spec(workers)
+    return [{**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]
+
+
+def wait_for_epoch_rows(csv_path, rows, process, timeout=180):
+    """Wait until the epoch CSV holds ``rows`` rows (the run provably finished that many epochs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if csv_path.exists() and len(csv_path.read_text().splitlines()) > rows:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no epoch row {rows} in {csv_path} within {timeout} s")
+
+
+def wait_for_file(path, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline and process.poll() is None, f"no {path} within {timeout} s"
+        time.sleep(0.2)
+
+
+def worker_pid(launcher, index):
+    """The pid of local worker ``index`` started by the launcher process."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        if f'"index": {index}}}' in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
+            return int(pid)
+    raise AssertionError(f"worker {index} is not a child of the launcher {launcher.pid}: {children}")
+
+
+# Kaggle CSV test data, for the data loader's and the CLI's tests.
+
+HEADER = "label," + ",".join(f"pixel{i}" for i in range(784))
+
+
+def row(label="3", pixel="0", at=None, value=None, count=784):
+    pixels = [pixel] * count
+    if at is not None:
+        pixels[at] = value
+    return ",".join([label, *pixels])
+
+
+BAD_TRAIN_FILES = {
+    "wrong column count": (
+        [HEADER, row(), row(count=783)],
+        "{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). Received: 784 values"),
+    "non-numeric value": (
+        [HEADER, row(at=12, value="abc")],
+        "{path}, line 2, column pixel12: expected a number. Received: 'abc'"),
+    "NaN": (
+        [HEADER, row(), row(), row(at=5, value="nan")],
+        "{path}, line 4, column pixel5: expected a finite number. Received: nan"),
+    "infinity": (
+        [HEADER, row(at=0, value="inf")],
+        "{path}, line 2, column pixel0: expected a finite number. Received: inf"),
+    "pixel above 255": (
+        [HEADER, row(at=783, value="256")],
+        "{path}, line 2, column pixel783: expected a pixel value in 0..255. Received: 256"),
+    "negative pixel": (
+        [HEADER, row(), row(at=1, value="-1")],
+        "{path}, line 3, column pixel1: expected a pixel value in 0..255. Received: -1"),
+    "label above 9": (
+        [HEADER, row(label="10")],
+        "{path}, line 2, column label: expected an integer label in 0..9. Received: 10"),
+    "fractional label": (
+        [HEADER, row(label="2.5")],
+        "{path}, line 2, column label: expected an integer label in 0..9. Received: 2.5"),
+    "wrong header": (
+        ["id,pixel0", row()],
+        "{path}, line 1: expected the header label,pixel0..pixel783. Received: 'id,pixel0'"),
+    "empty file": (
+        [],
+        "{path}: the file is empty; expected a header line and rows of 785 comma-separated values "
+        "(label,pixel0..pixel783). Received: 0 lines"),
+    "header only": (
+        [HEADER],
+        "{path}: the file has a header but no rows; expected rows of 785 comma-separated values "
+        "(label,pixel0..pixel783). Received: 0 rows"),
+}
+
+
+def write_lines(path, lines):
+    """Write ``lines``, each ending in a newline (no lines: an empty file)."""
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
