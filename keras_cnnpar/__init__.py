@@ -20,19 +20,16 @@ Names are imported lazily, so ``import keras_cnnpar`` (and the ``cnnpar`` CLI's
 
 import importlib
 
+from keras_cnnpar import registry
+
 __version__ = "0.1.0"
 
+#: Public names and the module that defines them; the strategy classes come from the registry.
 _EXPORTS = {
     "fit": "keras_cnnpar.training",
     "parallel": "keras_cnnpar.training",
     "Strategy": "keras_cnnpar.strategies",
-    "Single": "keras_cnnpar.strategies",
-    "DataParallel": "keras_cnnpar.strategies",
-    "LayerPlacement": "keras_cnnpar.strategies",
-    "MultiWorker": "keras_cnnpar.strategies",
-    "AsyncPS": "keras_cnnpar.strategies",
-    "ChannelSharded": "keras_cnnpar.strategies",
-    "Hybrid": "keras_cnnpar.strategies",
+    **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries()},
 }
 _SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "runs", "serving", "sharded", "strategies",
                "training")

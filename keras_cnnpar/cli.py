@@ -11,6 +11,7 @@ import time
 import click
 
 from keras_cnnpar import __version__, registry, runs
+from keras_cnnpar.subprocesses import python_command
 
 MODELS = list(runs.MODEL_NAMES)
 
@@ -200,7 +201,7 @@ def _launch_workers(workers):
     from keras_cnnpar import cluster
 
     try:
-        command = [sys.executable, "-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())]
+        command = python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context()))
         cluster.run_local_workers(command, workers)
     except cluster.WorkerFailed as failure:
         click.echo(f"Error: {failure}", err=True)

@@ -22,6 +22,7 @@ per task of a parameter-server cluster; each runs this module's entry point,
 """
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -34,9 +35,11 @@ import time
 from pathlib import Path
 
 from keras_cnnpar import runs
+from keras_cnnpar.subprocesses import python_command
 
 #: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
 PREEMPTED_EXIT_CODE = 42
+_PR_SET_PDEATHSIG = 1
 #: Jobs whose tasks train; the rest (``ps``, ``evaluator``) do not count as workers.
 TRAINING_JOBS = ("chief", "worker")
 
@@ -241,18 +244,36 @@ def _start_worker(command, task, logs):
     env = {**_thread_share(task.num_workers), **os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
     try:
-        return subprocess.Popen(command, env=env, stdout=output,
-                                stderr=subprocess.STDOUT if output else None, start_new_session=True)
+        return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
+                                start_new_session=True, preexec_fn=_die_with(os.getpid()))
     finally:
         if output:
             output.close()
 
 
+def _die_with(parent):
+    """A ``preexec_fn`` that makes the child die with ``parent`` (Linux ``PR_SET_PDEATHSIG``), or None elsewhere.
+
+    A launcher that is SIGKILLed, or whose terminal closes, then leaves no
+    worker behind, although the workers have sessions of their own (so that
+    a Ctrl-C reaches them only through the launcher, as SIGTERM).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def die_with_parent():
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the call
+            os._exit(1)
+
+    return die_with_parent
+
+
 def _thread_share(workers):
     """TensorFlow thread pools for one of ``workers`` processes sharing this machine's cores (unless set already).
 
-    Each process would otherwise size its pools for every core; measured here,
-    2 workers on 2 cores ran 13-40% faster with one intra-op thread each.
+    Each process would otherwise size its pools for every core, and the
+    workers would compete for them (figures in docs/benchmarks.md).
     """
     return {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 1) // workers)), "TF_NUM_INTEROP_THREADS": "2"}
 
@@ -319,8 +340,8 @@ def start_servers(workers, ps, spec_path, *, timeout=60):
         for job, addresses in spec.items():
             for index in range(len(addresses)):
                 processes[job].append(subprocess.Popen(
-                    [sys.executable, "-m", "keras_cnnpar.cluster", "serve", "--cluster-json", json.dumps(spec),
-                     "--job", job, "--index", str(index)],
+                    python_command("-m", "keras_cnnpar.cluster", "serve", "--cluster-json", json.dumps(spec),
+                                   "--job", job, "--index", str(index)),
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         wait_reachable(spec, timeout)
     except BaseException:

@@ -20,6 +20,8 @@ Example:
 """
 
 import dataclasses
+import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +116,11 @@ def read_kaggle_csv(path, *, labeled=True):
     """Read and validate a Kaggle digit-recognizer CSV; return ``(pixels uint8 [N, 784], labels)``.
 
     ``labeled=True`` expects ``train.csv`` (``label,pixel0..pixel783``), ``False``
-    expects ``test.csv`` (``pixel0..pixel783``) and returns ``labels=None``.
+    expects ``test.csv`` (``pixel0..pixel783``) and returns ``labels=None``. A
+    UTF-8 byte-order mark (Excel's "CSV UTF-8") and blank lines at the end are
+    fine. Values must be plain integers: pandas' C parser reads a valid file
+    at its own speed; only when that fails is the file read again line by line
+    to name the first bad value (file, line, column, expected, received).
 
     >>> read_kaggle_csv("missing.csv")
     Traceback (most recent call last):
@@ -123,45 +129,101 @@ def read_kaggle_csv(path, *, labeled=True):
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found. Received: path={path}")
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    header = TRAIN_HEADER if labeled else PIXEL_HEADER
-    columns = "label,pixel0..pixel783" if labeled else "pixel0..pixel783"
-    expected = f"{len(header)} comma-separated values ({columns})"
-    if not lines or not lines[0].strip():
-        raise DataError(f"{path}: the file is empty; expected a header line and rows of {expected}. "
-                        f"Received: 0 lines")
-    if [name.strip() for name in lines[0].split(",")] != header:
-        raise DataError(f"{path}, line 1: expected the header {columns}. "
-                        f"Received: {_abbreviate(lines[0])!r}")
-    rows = [line.split(",") for line in lines[1:]]
-    while rows and rows[-1] == [""]:
-        rows.pop()
-    if not rows:
-        raise DataError(f"{path}: the file has a header but no rows; expected rows of {expected}. "
-                        f"Received: 0 rows")
-    for number, row in enumerate(rows, start=2):
-        if len(row) != len(header):
-            raise DataError(f"{path}, line {number}: expected {expected}. Received: {len(row)} values")
-    values = _to_numbers(path, rows, header)
-    _check_range(path, values, header)
-    pixels = values[:, -PIXELS:].astype(np.uint8)
+    layout = _CsvLayout(labeled)
+    with open(path, encoding="utf-8-sig", errors="replace") as file:
+        first = file.readline()
+    layout.check_header(path, first)
+    values = _read_fast(path, layout) if _plain_integers(path) else None
+    if values is None:
+        values = _read_checked(path, layout)
+    pixels = values[:, -PIXELS:]
     labels = values[:, 0].astype(np.int32) if labeled else None
-    return pixels, labels
+    return np.ascontiguousarray(pixels), labels
 
 
-def _to_numbers(path, rows, header):
+class _CsvLayout:
+    """The columns a Kaggle CSV must have, and the messages that name them."""
+
+    def __init__(self, labeled):
+        self.header = TRAIN_HEADER if labeled else PIXEL_HEADER
+        self.labeled = labeled
+        self.columns = "label,pixel0..pixel783" if labeled else "pixel0..pixel783"
+        self.expected = f"{len(self.header)} comma-separated values ({self.columns})"
+
+    def check_header(self, path, line):
+        if not line.strip():
+            raise DataError(f"{path}: the file is empty; expected a header line and rows of {self.expected}. "
+                            f"Received: 0 lines")
+        if [name.strip() for name in line.rstrip("\r\n").split(",")] != self.header:
+            raise DataError(f"{path}, line 1: expected the header {self.columns}. "
+                            f"Received: {_abbreviate(line.rstrip())!r}")
+
+    def no_rows(self, path):
+        return DataError(f"{path}: the file has a header but no rows; expected rows of {self.expected}. "
+                         f"Received: 0 rows")
+
+
+#: Bytes a file of plain integers holds after its header (digits, separators, signs, blanks).
+_PLAIN = np.zeros(256, bool)
+_PLAIN[np.frombuffer(b"0123456789,\r\n \t+-", np.uint8)] = True
+
+
+def _plain_integers(path, chunk=1 << 24):
+    """Whether every byte after the header line is a digit, a separator, a sign or a blank.
+
+    pandas reads ``1e2`` or ``12.0`` as whole numbers; such spellings go to the
+    checked reader, which rejects them with the line and column.
+    """
+    with open(path, "rb") as file:
+        file.readline()
+        while block := file.read(chunk):
+            if not _PLAIN[np.frombuffer(block, np.uint8)].all():
+                return False
+    return True
+
+
+def _read_fast(path, layout):
+    """The values as uint8 ``[N, columns]`` through pandas' C parser, or None when it finds a problem."""
+    import pandas as pd
+
     try:
-        return np.array(rows, dtype=np.float64)
-    except ValueError:
-        pass
-    for number, row in enumerate(rows, start=2):
-        for column, text in zip(header, row):
-            try:
-                float(text)
-            except ValueError:
-                raise DataError(f"{path}, line {number}, column {column}: expected a number. "
-                                f"Received: {text!r}") from None
-    raise AssertionError("unreachable: numpy rejected a value that float() accepts")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", pd.errors.ParserWarning)  # a row longer than the header
+            frame = pd.read_csv(path, encoding="utf-8-sig", dtype=np.uint8, engine="c", index_col=False)
+    except (ValueError, OverflowError, pd.errors.ParserError, pd.errors.ParserWarning):
+        return None
+    values = frame.to_numpy()
+    if values.shape[1] != len(layout.header) or not len(values):
+        return None
+    if layout.labeled and values[:, 0].max() > NUM_CLASSES - 1:
+        return None
+    return values
+
+
+#: A number as the checked reader accepts it: plain decimal, or nan/inf (rejected later with their own message).
+_NUMBER = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+|nan|inf|infinity)\s*", re.IGNORECASE)
+
+
+def _read_checked(path, layout):
+    """Read ``path`` line by line and raise a ``DataError`` naming the first bad line, column and value."""
+    with open(path, encoding="utf-8-sig", errors="replace") as file:
+        lines = file.read().splitlines()[1:]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        raise layout.no_rows(path)
+    rows = []
+    for number, line in enumerate(lines, start=2):
+        row = line.split(",")
+        if len(row) != len(layout.header):
+            raise DataError(f"{path}, line {number}: expected {layout.expected}. Received: {len(row)} values")
+        for column, text in zip(layout.header, row):
+            if not _NUMBER.fullmatch(text):
+                raise DataError(f"{path}, line {number}, column {column}: expected a number. Received: {text!r}")
+        rows.append(row)
+    values = np.array(rows, dtype=np.float64)
+    _check_range(path, values, layout.header)
+    return values.astype(np.uint8)
 
 
 def _check_range(path, values, header):
@@ -172,8 +234,9 @@ def _check_range(path, values, header):
         checks.append((np.hstack([label_ok, np.ones_like(values[:, 1:], bool)]),
                        f"expected an integer label in 0..{NUM_CLASSES - 1}"))
     pixel_ok = np.ones_like(values, bool)
-    pixel_ok[:, -PIXELS:] = (values[:, -PIXELS:] >= 0) & (values[:, -PIXELS:] <= 255)
-    checks.append((pixel_ok, "expected a pixel value in 0..255"))
+    pixels = values[:, -PIXELS:]
+    pixel_ok[:, -PIXELS:] = (pixels >= 0) & (pixels <= 255) & (pixels == np.round(pixels))
+    checks.append((pixel_ok, "expected an integer pixel value in 0..255"))
     for ok, expectation in checks:
         if not ok.all():
             row, column = np.argwhere(~ok)[0]

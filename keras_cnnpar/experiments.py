@@ -18,12 +18,14 @@ hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4
 import csv
 import dataclasses
 import math
+import os
+import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from keras_cnnpar import registry, runs
+from keras_cnnpar.subprocesses import python_command
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
@@ -77,15 +79,24 @@ def completed(config, results_dir, epochs, batch_size):
 
 
 def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800):
-    """Train ``config`` in a fresh process with the checks on; return ``(returncode, last output lines)``."""
-    command = [sys.executable, "-m", "keras_cnnpar.cli", "train", "--model", config.model, "--strategy",
-               config.strategy, *config.train_args(), "--epochs", str(epochs), "--batch-size", str(batch_size),
-               "--data", source, "--results", str(results_dir), "--checks", "--verbose", "0"]
+    """Train ``config`` in a fresh process with the checks on; return ``(returncode, last output lines)``.
+
+    Past ``timeout`` seconds the configuration's whole process group is killed
+    (local workers die with their launcher), and the return code is -1.
+    """
+    command = python_command("-m", "keras_cnnpar.cli", "train", "--model", config.model, "--strategy",
+                             config.strategy, *config.train_args(), "--epochs", str(epochs), "--batch-size",
+                             str(batch_size), "--data", source, "--results", str(results_dir), "--checks",
+                             "--verbose", "0")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         return -1, f"timed out after {timeout} s"
-    return done.returncode, "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+    return process.returncode, "\n".join(output.strip().splitlines()[-5:])
 
 
 def record(results_dir, config, status, seconds, detail=""):

@@ -25,7 +25,6 @@ Example:
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
 from keras_cnnpar import runs
+from keras_cnnpar.subprocesses import python_command
 
 SIGNATURE = "serving_default"
 INPUT = "pixels"
@@ -160,8 +160,8 @@ def load_in_fresh_process(export_dir, pixels):
         pixels_path, out_path = Path(scratch) / "pixels.npy", Path(scratch) / "out.npz"
         np.save(pixels_path, np.asarray(pixels, np.float32))
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
-        done = subprocess.run([sys.executable, "-c", _VERIFY_SCRIPT, str(export_dir), str(pixels_path),
-                               str(out_path)], capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S, env=env)
+        command = python_command("-c", _VERIFY_SCRIPT, str(export_dir), str(pixels_path), str(out_path))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S, env=env)
         if done.returncode != 0:
             raise ExportError(f"{export_dir}: loading the export in a fresh process failed:\n{done.stderr[-2000:]}")
         with np.load(out_path) as outputs:

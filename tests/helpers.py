@@ -204,6 +204,9 @@ BAD_TRAIN_FILES = {
     "wrong column count": (
         [HEADER, row(), row(count=783)],
         "{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). Received: 784 values"),
+    "a value too many": (
+        [HEADER, row(), row(), row(count=785)],
+        "{path}, line 4: expected 785 comma-separated values (label,pixel0..pixel783). Received: 786 values"),
     "non-numeric value": (
         [HEADER, row(at=12, value="abc")],
         "{path}, line 2, column pixel12: expected a number. Received: 'abc'"),
@@ -215,10 +218,10 @@ BAD_TRAIN_FILES = {
         "{path}, line 2, column pixel0: expected a finite number. Received: inf"),
     "pixel above 255": (
         [HEADER, row(at=783, value="256")],
-        "{path}, line 2, column pixel783: expected a pixel value in 0..255. Received: 256"),
+        "{path}, line 2, column pixel783: expected an integer pixel value in 0..255. Received: 256"),
     "negative pixel": (
         [HEADER, row(), row(at=1, value="-1")],
-        "{path}, line 3, column pixel1: expected a pixel value in 0..255. Received: -1"),
+        "{path}, line 3, column pixel1: expected an integer pixel value in 0..255. Received: -1"),
     "label above 9": (
         [HEADER, row(label="10")],
         "{path}, line 2, column label: expected an integer label in 0..9. Received: 10"),
@@ -228,6 +231,15 @@ BAD_TRAIN_FILES = {
     "wrong header": (
         ["id,pixel0", row()],
         "{path}, line 1: expected the header label,pixel0..pixel783. Received: 'id,pixel0'"),
+    "fractional pixel": (
+        [HEADER, row(at=3, value="12.7")],
+        "{path}, line 2, column pixel3: expected an integer pixel value in 0..255. Received: 12.7"),
+    "exponent spelling": (
+        [HEADER, row(), row(at=9, value="1e2")],
+        "{path}, line 3, column pixel9: expected a number. Received: '1e2'"),
+    "underscore spelling": (
+        [HEADER, row(at=0, value="1_0")],
+        "{path}, line 2, column pixel0: expected a number. Received: '1_0'"),
     "empty file": (
         [],
         "{path}: the file is empty; expected a header line and rows of 785 comma-separated values "

@@ -53,7 +53,7 @@ def find_cycle(graph):
         path.append(module)
         for imported in sorted(graph[module]):
             if state.get(imported) == "open":
-                return path[path.index(imported):] + [imported]
+                return [*path[path.index(imported):], imported]
             if imported not in state and (cycle := visit(imported)):
                 return cycle
         state[module] = "done"

@@ -116,3 +116,16 @@ def test_help_does_not_start_tensorflow():
              "print(sorted(m for m in ('tensorflow', 'keras') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mesh", ["2", "2x0", "axb", "2x2x2"])
+def test_a_malformed_mesh_exits_2_naming_the_expected_form(tmp_path, mesh):
+    result = run("train", "--strategy", "hybrid", "--mesh", mesh, "--results", tmp_path / "results")
+    assert result.exit_code == 2
+    assert f"expected DATAxMODEL with two positive ints, e.g. 2x2. Received: --mesh {mesh}" in \
+        " ".join(result.output.split())
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_mesh_is_read_as_data_by_model():
+    assert cli._mesh("3x1") == (3, 1) and cli._mesh("2X4") == (2, 4) and cli._mesh(None) is None

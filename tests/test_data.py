@@ -3,7 +3,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from keras_cnnpar import data
-from tests.helpers import BAD_TRAIN_FILES, write_lines
+from tests.helpers import BAD_TRAIN_FILES, HEADER, row, write_lines
 
 
 def test_embedded_default_is_5000_real_digits_scaled_to_unit_range(digits):
@@ -85,3 +85,20 @@ def test_unknown_tfds_dataset_is_a_data_error():
     with pytest.raises(data.DataError, match=r"^tfds:no_such_dataset: could not load the 'train' split .*"
                                              r"Received: data=tfds:no_such_dataset, data_dir=None$"):
         data.load("tfds:no_such_dataset")
+
+
+def test_a_byte_order_mark_and_blank_lines_at_the_end_are_fine(tmp_path):
+    lines = [HEADER, row(label="7", pixel="255"), row(label="1", pixel="0"), "   ", ""]
+    path = tmp_path / "train.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())  # Excel's "CSV UTF-8"
+    pixels, labels = data.read_kaggle_csv(path)
+    assert labels.tolist() == [7, 1] and pixels.dtype == np.uint8
+    assert pixels[0].tolist() == [255] * 784 and pixels[1].tolist() == [0] * 784
+
+
+def test_the_fast_and_the_checked_reader_agree(tmp_path, digits):
+    train_path, _ = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
+    fast = data.read_kaggle_csv(train_path)
+    checked = data._read_checked(train_path, data._CsvLayout(labeled=True))
+    np.testing.assert_array_equal(fast[0], checked[:, 1:])
+    np.testing.assert_array_equal(fast[1], checked[:, 0])

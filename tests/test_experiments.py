@@ -1,29 +1,23 @@
 """cnnpar sweep and cnnpar report on a small subset: the files, their columns, resuming, and a recorded failure."""
 
-import csv
+import time
 
-import pandas as pd
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, experiments
+from keras_cnnpar import cli, experiments, registry, runs
+from tests.helpers import HEADER, suite_processes, write_lines
+from tests.helpers import read_rows as read
 
 
 @pytest.fixture(scope="module")
 def small_csv(tmp_path_factory, digits):
     """200 digits (20 per class) in the Kaggle train.csv format."""
-    path = tmp_path_factory.mktemp("data") / "train.csv"
-    keep = pd.Series(digits.y).groupby(digits.y).head(20).index
-    frame = pd.DataFrame((digits.x[keep].reshape(len(keep), -1) * 255).round().astype(int),
-                         columns=[f"pixel{i}" for i in range(784)])
-    frame.insert(0, "label", digits.y[keep])
-    frame.to_csv(path, index=False)
-    return path
-
-
-def read(path):
-    with open(path, newline="", encoding="utf-8") as file:
-        return list(csv.DictReader(file))
+    keep = np.concatenate([np.flatnonzero(digits.y == label)[:20] for label in range(10)])
+    pixels = np.rint(digits.x[keep].reshape(len(keep), -1) * 255).astype(int)
+    rows = [",".join(map(str, [label, *row])) for label, row in zip(digits.y[keep], pixels)]
+    return write_lines(tmp_path_factory.mktemp("data") / "train.csv", [HEADER, *rows])
 
 
 def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, tmp_path):
@@ -74,3 +68,40 @@ def test_report_without_runs_says_so(tmp_path):
     done = CliRunner().invoke(cli.main, ["report", "--results", str(tmp_path)])
     assert done.exit_code == 1
     assert f"no runs to report: {tmp_path / 'runs.csv'} is missing or empty" in done.output
+
+
+def test_the_plan_runs_each_strategy_on_the_device_counts_it_declares():
+    names = registry.names()
+    configs, skipped = experiments.plan(["2+2", "3+3"], names, [1, 2, 3, 4])
+    planned = {(c.strategy, c.devices) for c in configs if c.model == "2+2"}
+    assert planned == {("single", 1), ("hybrid", 4),
+                       *((name, n) for name in names if name not in ("single", "hybrid") for n in (2, 3, 4))}
+    assert len(configs) == 2 * len(planned)
+    assert "single on 4 devices: single runs on 1 device" in skipped
+    assert "hybrid on 3 devices: hybrid needs a multiple of 2 devices, at least 4" in skipped
+    assert len(skipped) == len(names) * 4 - len(planned)  # every skip is reported once, not once per model
+    assert [c.train_args() for c in configs if c.model == "2+2" and c.devices == 4] == [
+        ["--workers", "4"], ["--devices", "4"], ["--mesh", "2x2"], ["--devices", "4"], ["--devices", "4"],
+        ["--workers", "4"]]
+
+
+def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started():
+    started = time.monotonic()
+    code, tail = experiments.run_config(experiments.Config("2+2", "multi-worker", 2), epochs=1, batch_size=64,
+                                        source="mnist-5k", results_dir="unused", timeout=8)
+    assert (code, tail) == (-1, "timed out after 8 s")
+    assert time.monotonic() - started < 8 + 20
+    deadline = time.monotonic() + 10
+    while (left := suite_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == []  # the launcher and both of its workers are gone
+
+
+def test_report_flags_a_failed_parity_check(tmp_path):
+    epoch_csv = runs.run_file_name("m", "mirrored", 2)
+    write_lines(tmp_path / epoch_csv, ["epoch,grad_parity_verdict,grad_parity_max_abs_diff,val_accuracy",
+                                       "1,FAIL,0.02,0.9"])
+    columns = ",".join(runs.RUNS_COLUMNS)
+    write_lines(tmp_path / "runs.csv", [columns, f"t,m,mirrored,2,64,1,,,,0.9,1,200,1.9,0.95,{epoch_csv}"])
+    rows, _ = experiments.write_report(tmp_path)
+    assert [(r["parity"], r["flag"]) for r in rows] == [("FAIL", "gradient parity FAILED: a bug, not noise")]

@@ -3,17 +3,13 @@ import subprocess
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import cli, serving
+from keras_cnnpar import serving
+from tests.helpers import run_cli as run
 
 STRATEGIES = {"single": "single", "mirrored": "mirrored",
               "layers": cnnpar.LayerPlacement(2, microbatches=2)}
-
-
-def run(*args):
-    return CliRunner().invoke(cli.main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +70,19 @@ def test_a_second_export_of_a_version_needs_force_and_keeps_the_first(exported, 
     assert (target / "saved_model.pb").read_bytes() == first
     assert serving.export(trained["single"], base, version=1, force=True) == target
     assert sorted(p.name for p in base.iterdir()) == ["1"]
+
+
+def test_a_forced_export_that_fails_verification_keeps_the_old_version(trained, tmp_path, monkeypatch):
+    base = tmp_path / "digits"
+    target = serving.export(trained["single"], base, version=1)
+    before = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    monkeypatch.setattr(serving, "load_in_fresh_process", lambda export_dir, pixels: {
+        "probabilities": np.zeros((len(pixels), 10), np.float32), "class": np.zeros(len(pixels), np.int64)})
+    with pytest.raises(serving.ExportError):
+        serving.export(trained["mirrored"], base, version=1, force=True)
+    after = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    assert after == before and len(before) > 2
+    assert sorted(p.name for p in base.iterdir()) == ["1"]  # no staging folder left behind
 
 
 def test_a_mismatching_export_is_removed_and_fails(trained, tmp_path, monkeypatch):

@@ -267,9 +267,9 @@ def conv_as_matmul(x, kernel, strides=(1, 1), input_gradient=True):
     the same windows with the output gradient; the input's (skipped when
     ``input_gradient`` is False, for a first layer) multiplies the output
     gradient by the kernel and adds the ``kh*kw`` shifted pieces back
-    (col2im), so no window slice is differentiated. (Stacking the windows of
-    the padded output gradient instead measured 20-35% slower per step here,
-    in both modes.)
+    (col2im), so no window slice is differentiated; stacking the windows of
+    the padded output gradient instead was slower in both modes
+    (docs/benchmarks.md).
 
     >>> import numpy as np, tensorflow as tf
     >>> x, k = tf.random.normal((2, 9, 9, 3)), tf.random.normal((3, 3, 3, 4))

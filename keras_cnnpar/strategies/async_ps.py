@@ -35,8 +35,8 @@ class AsyncPS(CheckpointedStrategy):
     therefore noisier than under synchronous training, and too large a learning
     rate diverges sooner. With N workers, the learning rate is scaled by √N by
     default (``scale_lr="sqrt"``); pass ``scale_lr=None`` to keep it, as
-    momentum optimizers need (the 3+3 CNN's Nesterov SGD reached 0.39
-    validation accuracy in 3 epochs with √2, 0.965 without). Each epoch
+    momentum optimizers need (docs/strategies.md has the measured effect
+    on both CNNs). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates landed between a step reading the weights and its gradient
     being ready to apply), and ``steps_applied`` (counted on the parameter

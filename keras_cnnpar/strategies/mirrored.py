@@ -76,7 +76,7 @@ def _mirrored_strategy(devices):
     TensorFlow then aborts the second model's all-reduce with "Shape mismatch in
     the collective instance 100"; sharing the instance keeps the numbers apart.
     On CPU devices, gradients are summed on one device (``ReductionToOneDevice``),
-    which measured about 12% faster per step than collective all-reduce here.
+    which was faster per step than collective all-reduce on CPUs (docs/benchmarks.md).
     """
     on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
     reduction = tf.distribute.ReductionToOneDevice() if on_cpu else None  # None: NCCL on GPUs
