@@ -10,14 +10,14 @@ import time
 
 import click
 
-from keras_cnnpar import __version__, registry, runs
+from keras_cnnpar import __version__, registry, runs, startup
 from keras_cnnpar.subprocesses import python_command
 
 MODELS = list(runs.MODEL_NAMES)
 
 
 def _quiet_tensorflow():
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    startup.quiet_start()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -145,7 +145,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
                                  f"version or use `cnnpar export --force` after training. "
                                  f"Received: --version {export_version}", param_hint="--version")
-    device_lib.configure(strategy.local_devices)
+    click.echo(device_lib.describe(device_lib.configure(strategy.local_devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
     except data_lib.DataError as error:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from keras_cnnpar import runs
+from keras_cnnpar import runs, startup
 from keras_cnnpar.subprocesses import python_command
 
 #: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
@@ -410,7 +410,7 @@ def main(argv=None):
     server.add_argument("--job", required=True)
     server.add_argument("--index", type=int, required=True)
     options = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    startup.quiet_start()
     serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index)
 
 

@@ -75,6 +75,18 @@ def _split(device, n, kind, gpu_memory_mb):
         ) from None
 
 
+def describe(names):
+    """One line that says which devices training uses.
+
+    >>> describe(["/device:CPU:0"])
+    'training on /device:CPU:0 (no GPU found)'
+    """
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    found = f"{gpus} GPU{'s' * (gpus > 1)}" if gpus else "no GPU"
+    split = ", logical devices split from one" if len(names) > max(gpus, 1) else ""
+    return f"training on {', '.join(names)} ({found} found{split})"
+
+
 def resolve(devices):
     """Turn ``devices`` (a count or a list of device names) into a list of device names.
 

@@ -1,4 +1,5 @@
 import csv
+import re
 import subprocess
 import sys
 
@@ -6,7 +7,7 @@ import click
 import pytest
 
 from keras_cnnpar import cli, data, registry
-from tests.helpers import BAD_TRAIN_FILES, write_lines
+from tests.helpers import BAD_TRAIN_FILES, ENV, write_lines
 from tests.helpers import run_cli as run
 
 
@@ -129,3 +130,15 @@ def test_a_malformed_mesh_exits_2_naming_the_expected_form(tmp_path, mesh):
 
 def test_a_mesh_is_read_as_data_by_model():
     assert cli._mesh("3x1") == (3, 1) and cli._mesh("2X4") == (2, 4) and cli._mesh(None) is None
+
+
+def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_path):
+    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:161])
+    env = {key: value for key, value in ENV.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--epochs", "1", "--data", str(small),
+                             "--no-log", "--verbose", "0"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if line[:5] in ("E0000", "I0000", "W0000")] == []
+    assert "All log messages before absl::InitializeLog" not in result.stderr
+    assert re.fullmatch(r"training on /device:(CPU|GPU):0 \((no GPU|1 GPU) found\)", result.stdout.splitlines()[0])
