@@ -2,7 +2,7 @@ import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import models
+from keras_cnnpar import models, runs
 
 
 @pytest.mark.parametrize("kind, parameters, name", [
@@ -60,5 +60,5 @@ def test_fit_without_strategy_is_plain_keras_fit_and_writes_no_logs(digits, tmp_
 
 
 def test_run_file_name_follows_the_original_convention():
-    assert models.run_file_name("cnn2d_3layer_fullconnected_3layer", "single", 1) == \
+    assert runs.run_file_name("cnn2d_3layer_fullconnected_3layer", "single", 1) == \
         "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv"

@@ -92,7 +92,7 @@ class ChannelSharded(Strategy):
     def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
         steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
-        batches = iter(train)
+        batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
 
         def train_epoch(epoch, callback_list):

@@ -1,0 +1,99 @@
+"""Reading a Kaggle-size CSV: cnnpar's validated reader against pandas' C parser, seconds and peak memory.
+
+Writes a 42,000-row ``train.csv`` (the real file's size, about 73 MiB) and a
+28,000-row ``test.csv`` from the embedded digits into a temporary folder (not
+committed), then reads each one in fresh processes, interleaved over rounds:
+
+- ``pandas``: ``pandas.read_csv(dtype=uint8)`` and scaling to float32 in [0, 1],
+  the field's usual tool (no validation);
+- ``cnnpar``: ``cnnpar.data.load`` (train.csv, every value validated, float32
+  images) and ``cnnpar.data.read_kaggle_csv(labeled=False)`` (test.csv, as
+  ``cnnpar predict`` reads it).
+
+Peak memory is the child's peak RSS above its RSS after its imports. Targets:
+cnnpar no slower than pandas, and its peak at most twice the final arrays.
+
+Run: python benchmarks/csv_read.py [--rounds 3]
+"""
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+READ = r"""
+import resource, sys, time
+import numpy as np, pandas as pd
+from keras_cnnpar import data
+
+def rss_mib():
+    with open("/proc/self/status") as status:
+        return next(int(l.split()[1]) for l in status if l.startswith("VmRSS")) / 1024
+
+reader, path, labeled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+baseline = rss_mib()
+start = time.perf_counter()
+if reader == "pandas":
+    values = pd.read_csv(path, dtype=np.uint8).to_numpy()
+    images = (values[:, 1:] if labeled else values).astype(np.float32) / 255.0
+    arrays = images.nbytes + (values[:, 0].nbytes if labeled else 0)
+elif labeled:
+    digits = data.load(path)
+    arrays = digits.x.nbytes + digits.y.nbytes
+else:
+    pixels, _ = data.read_kaggle_csv(path, labeled=False)
+    arrays = pixels.nbytes
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
+print(f"{seconds} {peak} {arrays / 2 ** 20}")
+"""
+
+
+def write_files(folder):
+    """A 42,000-row train.csv and a 28,000-row test.csv made of the embedded digits, repeated."""
+    from keras_cnnpar import data
+
+    digits = data.load()
+    pixels = np.rint(digits.x.reshape(len(digits), -1) * 255).astype(np.uint8)
+    train_rows = np.resize(np.arange(len(digits)), 42_000)
+    train = np.column_stack([digits.y[train_rows], pixels[train_rows]])
+    np.savetxt(folder / "train.csv", train, fmt="%d", delimiter=",", header=",".join(data.TRAIN_HEADER), comments="")
+    test = pixels[np.resize(np.arange(len(digits)), 28_000)]
+    np.savetxt(folder / "test.csv", test, fmt="%d", delimiter=",", header=",".join(data.PIXEL_HEADER), comments="")
+
+
+def measure(reader, path, labeled):
+    done = subprocess.run([sys.executable, "-c", READ, reader, str(path), "1" if labeled else "0"],
+                          capture_output=True, text=True, check=True)
+    return [float(value) for value in done.stdout.split()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    rounds = parser.parse_args().rounds
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        write_files(folder)
+        for name, labeled in (("train.csv", True), ("test.csv", False)):
+            path = folder / name
+            figures = {"pandas": [], "cnnpar": []}
+            for _ in range(rounds):
+                for reader in figures:
+                    figures[reader].append(measure(reader, path, labeled))
+            print(f"\n{name}: {path.stat().st_size / 2 ** 20:.0f} MiB, median of {rounds} fresh processes each")
+            for reader, runs in figures.items():
+                seconds, peak, arrays = (statistics.median(column) for column in zip(*runs))
+                print(f"  {reader:7s} {seconds:6.2f} s   peak +{peak:6.0f} MiB   final arrays {arrays:5.0f} MiB "
+                      f"(peak / arrays {peak / arrays:.2f})")
+            ratio = statistics.median(r[0] for r in figures["cnnpar"]) / statistics.median(
+                r[0] for r in figures["pandas"])
+            print(f"  cnnpar / pandas time = {ratio:.2f}x  (target <= 1.00x)")
+
+
+if __name__ == "__main__":
+    main()
