@@ -13,6 +13,8 @@ ValueError: timeout must be a positive number of seconds. Received: timeout=0
 import math
 import os
 
+#: Keras mixed-precision policies a run can train under (``precision=``).
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 #: ``scale_lr`` rules: the learning-rate factor for ``n`` replicas.
 SCALE_LR = {"linear": float, "sqrt": math.sqrt, None: lambda n: 1.0}
 
@@ -47,6 +49,13 @@ def scale_lr(value):
     value = None if value == "none" else value
     if value not in SCALE_LR:
         raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={value!r}")
+    return value
+
+
+def precision(value):
+    """A ``precision`` option: one of :data:`PRECISIONS`."""
+    if value not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}. Received: precision={value!r}")
     return value
 
 

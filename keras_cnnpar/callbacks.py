@@ -133,7 +133,7 @@ class RunRecorder(keras.callbacks.Callback):
         info = self.info
         self._log(f"start model={info.model} strategy={info.strategy} devices={info.devices} "
                   f"global_batch={info.global_batch} epochs={info.epochs} initial_epoch={info.initial_epoch} "
-                  f"csv={info.epoch_csv}")
+                  f"precision={info.precision} csv={info.epoch_csv}")
         for line in (self.report or "").splitlines():
             self._log(f"layout {line}")
 

@@ -10,10 +10,14 @@ import time
 
 import click
 
-from keras_cnnpar import __version__, registry, runs, startup
+from keras_cnnpar import __version__, arguments, registry, runs, startup
 from keras_cnnpar.subprocesses import python_command
 
 MODELS = list(runs.MODEL_NAMES)
+PRECISION = click.option(
+    "--precision", type=click.Choice(arguments.PRECISIONS), default="float32", show_default=True,
+    help="Keras mixed-precision policy of training: mixed_bfloat16 on CPUs with AMX/AVX512-BF16 or GPUs with "
+         "bfloat16, mixed_float16 on GPUs (with loss scaling); see docs/strategies.md.")
 
 
 def _quiet_tensorflow():
@@ -91,6 +95,7 @@ def main():
               show_default=True, help="Folder of the per-epoch CSV, runs.csv and results.log.")
 @click.option("--no-log", is_flag=True, help="Write no result files.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
+@PRECISION
 @click.option("--verbose", type=click.IntRange(0, 2), default=1, show_default=True,
               help="Keras progress: 0 silent, 1 progress bar, 2 one line per epoch.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
@@ -99,7 +104,7 @@ def main():
               help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir,
           timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir,
-          no_log, seed, verbose, export_dir, export_version):
+          no_log, seed, precision, verbose, export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
@@ -158,7 +163,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     try:
         history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
                                batch_size=batch_size, validation_data=validation, verbose=verbose,
-                               results_dir=None if no_log else results_dir,
+                               results_dir=None if no_log else results_dir, precision=precision,
                                callbacks=_checks(model, strategy, train_part, batch_size) if checks else None)
     except strategies.Preempted as preempted:
         click.echo(f"preempted: {preempted}", err=True)
@@ -298,7 +303,8 @@ def _csv_list(kind, choices=None):
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results", show_default=True)
 @click.option("--timeout", type=click.IntRange(min=1), default=1800, show_default=True,
               help="Seconds one configuration may run.")
-def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source, results_dir, timeout):
+@PRECISION
+def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source, results_dir, timeout, precision):
     """Train every valid model x strategy x devices combination, each in a fresh process, with the checks on.
 
     Combinations a strategy cannot run are skipped with the reason. A
@@ -320,6 +326,7 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
                 continue
             started = time.perf_counter()
             code, tail = experiments.run_config(config, epochs=epochs, batch_size=batch_size, source=source,
+                                                precision=precision,
                                                 results_dir=results_dir, timeout=timeout)
             experiments.record(results_dir, config, "done" if code == 0 else f"failed ({code})",
                                time.perf_counter() - started, "" if code == 0 else tail)

@@ -78,7 +78,7 @@ def completed(config, results_dir, epochs, batch_size):
                and r["epochs"] == str(epochs) for r in rows)
 
 
-def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800):
+def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800, precision="float32"):
     """Train ``config`` in a fresh process with the checks on; return ``(returncode, last output lines)``.
 
     Past ``timeout`` seconds the configuration's whole process group is killed
@@ -87,7 +87,7 @@ def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800)
     command = python_command("-m", "keras_cnnpar.cli", "train", "--model", config.model, "--strategy",
                              config.strategy, *config.train_args(), "--epochs", str(epochs), "--batch-size",
                              str(batch_size), "--data", source, "--results", str(results_dir), "--checks",
-                             "--verbose", "0")
+                             "--precision", precision, "--verbose", "0")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:

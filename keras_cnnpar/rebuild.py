@@ -19,7 +19,8 @@ import keras
 from keras import tree
 
 
-def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model):
+def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model,
+            precision="float32"):
     """Return a compiled copy of ``model`` built inside ``scope``, holding its weights and state.
 
     Args:
@@ -28,6 +29,7 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         lr_factor: multiplies the optimizer's learning rate (see ``scale_lr``).
         steps_per_execution: overrides the compiled value when given.
         clone: makes the uncompiled copy; its weights must come in ``model``'s order.
+        precision: the Keras dtype policy the copy computes in (see :func:`set_precision`).
     """
     config = model.get_compile_config()
     config["optimizer"] = _scaled_optimizer(model.optimizer, lr_factor)
@@ -35,9 +37,41 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         config["steps_per_execution"] = steps_per_execution
     with scope:
         copy = clone(model)
-        copy.compile_from_config(config)
+        set_precision(copy, precision)
+        copy.compile_from_config(config)  # under mixed_float16, Keras wraps the optimizer in a LossScaleOptimizer
     copy_state(model, copy)
     return copy
+
+
+def set_precision(model, precision):
+    """Make ``model`` compute under the Keras dtype policy ``precision``, its output layers in float32.
+
+    Variables (and so the optimizer's state) stay float32 under every mixed
+    policy; each layer casts its inputs to the compute dtype (bfloat16 or
+    float16). The layers that make the model's outputs (the softmax) compute
+    in float32, as Keras's mixed-precision guide recommends.
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    >>> set_precision(model, "mixed_bfloat16")
+    >>> [layer.compute_dtype for layer in model.layers], model.layers[0].kernel.dtype
+    (['bfloat16', 'float32'], 'float32')
+    """
+    if precision == "float32":
+        return
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        layer.dtype_policy = precision
+    for layer in _output_layers(model):
+        for part in layer._flatten_layers(include_self=True, recursive=True):
+            part.dtype_policy = "float32"
+
+
+def _output_layers(model):
+    """The layers that compute ``model``'s outputs (through wrappers that hold the real model as ``inner``)."""
+    while hasattr(model, "inner"):
+        model = model.inner
+    if isinstance(model, keras.Sequential):
+        return model.layers[-1:]
+    return [output._keras_history.operation for output in model.outputs]
 
 
 def copy_state(source, target):
@@ -57,7 +91,12 @@ def copy_state(source, target):
 
 
 def optimizer_state(optimizer):
-    """The optimizer's variables (iterations, then each variable's slots), the learning rate excluded."""
+    """The optimizer's variables (iterations, then each variable's slots), the learning rate excluded.
+
+    A ``LossScaleOptimizer`` (mixed_float16) contributes its inner optimizer's
+    state: the loss scale belongs to the run, not to the user's optimizer.
+    """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     return [v for v in optimizer.variables if v.name != "learning_rate"]
 
 

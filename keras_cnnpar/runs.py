@@ -61,6 +61,7 @@ class RunInfo:
     samples_per_epoch: int | None
     epochs: int
     initial_epoch: int = 0
+    precision: str = "float32"
 
     @property
     def epoch_csv(self):

@@ -18,14 +18,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_cnnpar import arguments, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import strategies
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
         validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0, resume=False,
-        **fit_kwargs):
+        precision="float32", **fit_kwargs):
     """Train ``model`` under ``strategy`` and return a Keras ``History``, as ``model.fit`` does.
 
     The model is rebuilt for the strategy (weights, optimizer config and state,
@@ -44,6 +44,11 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         resume: continue an interrupted run from the strategy's checkpoint
             (strategies that keep one: ``MultiWorker``, ``AsyncPS``); the same as
             creating the strategy with ``resume=True``.
+        precision: ``"float32"`` (default), ``"mixed_bfloat16"`` or ``"mixed_float16"``: the Keras
+            mixed-precision policy the strategy's copy of the model trains under (variables and
+            optimizer state stay float32, the output layer computes in float32, float16 gets loss
+            scaling). The user's model stays float32, so its exports take and return float32.
+            It is an argument of ``fit``, not of a strategy: it means the same under every one.
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         epochs, validation_data, validation_split, shuffle, callbacks, initial_epoch,
@@ -56,6 +61,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
                              f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
         strategy.resume = True
+    strategy.precision = arguments.precision(precision)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
                                                 strategy)
@@ -73,7 +79,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     if results_dir is not None and strategy.is_chief:
         info = callback_lib.RunInfo(
             model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
-            global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch)
+            global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
+            precision=strategy.precision)
         logging = callback_lib.run_callbacks(info, results_dir, report=report)
     try:
         history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,

@@ -7,16 +7,18 @@ import keras_cnnpar as cnnpar
 from tests.helpers import FLOORS
 
 
-@pytest.mark.parametrize("kind, strategy", [
-    ("2+2", "single"), ("3+3", "single"), ("2+2", "mirrored"), ("3+3", "mirrored"),
-    ("2+2", "channels"), ("3+3", "hybrid"),  # tensor parallel: each CNN under one of the two meshes
+@pytest.mark.parametrize("kind, strategy, precision", [
+    ("2+2", "single", "float32"), ("3+3", "single", "float32"), ("2+2", "mirrored", "float32"),
+    ("3+3", "mirrored", "float32"),
+    ("2+2", "channels", "float32"), ("3+3", "hybrid", "float32"),  # tensor parallel: each CNN under one mesh
+    ("2+2", "single", "mixed_bfloat16"), ("3+3", "hybrid", "mixed_bfloat16"),
 ])
-def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, digits_split):
+def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, precision, digits_split):
     train, val = digits_split
     keras.utils.set_random_seed(0)
     model = cnnpar.models.cnn(kind)
     history = model.fit(train.x, train.y, epochs=3, batch_size=64, validation_data=(val.x, val.y),
-                        verbose=0, strategy=strategy, results_dir=None)
+                        verbose=0, strategy=strategy, results_dir=None, precision=precision)
     assert history.history["val_accuracy"][-1] >= FLOORS[kind]
     _, accuracy = model.evaluate(val.x, val.y, verbose=0)  # the user's model holds the trained weights
     assert accuracy == pytest.approx(history.history["val_accuracy"][-1], abs=1e-6)

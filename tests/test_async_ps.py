@@ -50,9 +50,13 @@ def test_in_process_cluster_reaches_single_accuracy_within_3_points(tmp_path):
     assert "learning rate x1.41 (scale_lr=sqrt)" in log
 
 
-def test_two_parameter_servers_share_the_variables_and_the_model_exports(tmp_path):
-    train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "2", "--epochs", "1", "--export", "models")
+def test_two_parameter_servers_share_the_variables_and_a_bfloat16_run_exports(tmp_path):
+    train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "2", "--epochs", "1", "--export", "models",
+          "--precision", "mixed_bfloat16")
     log = (tmp_path / "results" / "results.log").read_text()
+    assert "precision=mixed_bfloat16" in log
+    (epoch,) = rows(tmp_path / "results" / f"{RUN}.csv")
+    assert float(epoch["val_accuracy"]) >= 0.8  # one epoch of 2+2 learns under bfloat16 too
     held = dict(re.findall(r"layout (ps:\d) holds (\d+) model variables", log))
     assert sorted(held) == ["ps:0", "ps:1"] and sum(map(int, held.values())) == 8, log
     assert (tmp_path / "models" / "1" / "saved_model.pb").exists()

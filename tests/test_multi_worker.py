@@ -72,11 +72,12 @@ def test_each_worker_gets_a_different_slice_of_every_batch(tmp_path):
     assert seen[0][0] != seen[0][1]  # reshuffled every epoch, alike on both workers
 
 
-@pytest.mark.parametrize("kind", ["2+2", "3+3"])
-def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, kind):
+@pytest.mark.parametrize("kind, precision", [("2+2", "float32"), ("3+3", "mixed_bfloat16")])
+def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, kind, precision):
     temp = tmp_path / "tmp"
     temp.mkdir()
-    command = cnnpar_train("--model", kind, "--workers", "2", "--epochs", "3", "--results", "results")
+    command = cnnpar_train("--model", kind, "--workers", "2", "--epochs", "3", "--results", "results",
+                           "--precision", precision)
     result = subprocess.run(command, cwd=tmp_path, env={**ENV, "TMPDIR": str(temp)}, capture_output=True,
                             text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

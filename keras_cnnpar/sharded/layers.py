@@ -101,6 +101,8 @@ class ShardedLayer(tf.Module):
         self.bias = dtensor.DVariable(to_mesh(np.zeros(kernel_shape[-1:], "float32"), bias_layout), name="bias") \
             if self.use_bias else None
         self.set_weights(layer.get_weights())
+        #: The dtype of the layer's arithmetic: its input, kernel and bias are cast to it (weights stay float32).
+        self.compute_dtype = tf.float32
 
     def _check_divisible(self, name, kernel_shape):
         shards = self.mesh.dim_size("model")
@@ -133,7 +135,7 @@ class ShardedLayer(tf.Module):
     def _finish(self, y):
         """Add the bias, fix the output layout and apply the activation."""
         if self.use_bias:
-            y = y + self.bias
+            y = y + tf.cast(self.bias, self.compute_dtype)
         if self.mode == "column" and self.activation_name in CHANNEL_MIXING:
             y = dtensor.relayout(y, activation_layout(self.mesh, y.shape))
         return self.activation(y)
@@ -188,8 +190,10 @@ class ChannelShardedConv2D(ShardedLayer):
 
     def __call__(self, x, training=False):
         kh, kw = self.kernel.shape[:2]
-        x = tf.pad(x, [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
-        y = conv_as_matmul(x, self.kernel.read_value(), self.strides, self.input_gradient)
+        x = tf.pad(tf.cast(x, self.compute_dtype),
+                   [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
+        kernel = tf.cast(self.kernel.read_value(), self.compute_dtype)
+        y = conv_as_matmul(x, kernel, self.strides, self.input_gradient)
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
 
@@ -233,7 +237,7 @@ class ShardedDense(ShardedLayer):
 
     def __call__(self, x, training=False):
         axes = "hwc"[-(x.shape.rank - 1):]
-        y = tf.einsum(f"b{axes},{axes}o->bo", x, self.kernel)
+        y = tf.einsum(f"b{axes},{axes}o->bo", tf.cast(x, self.compute_dtype), tf.cast(self.kernel, self.compute_dtype))
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
 

@@ -128,9 +128,12 @@ class ShardedSequential(tf.Module):
     Args:
         model: a built ``keras.Sequential`` of the layers in ``SUPPORTED``.
         mesh: a DTensor mesh with a ``"model"`` axis, and optionally ``"batch"``.
+        compute_dtype: the dtype of the sharded layers' arithmetic, ``"float32"`` or
+            ``"bfloat16"`` (mixed precision); the last one, which makes the
+            output, always computes in float32.
     """
 
-    def __init__(self, model, mesh):
+    def __init__(self, model, mesh, compute_dtype="float32"):
         super().__init__(name=model.name)
         if not isinstance(model, keras.Sequential):
             raise TypeError("channel sharding rebuilds a keras.Sequential model layer by layer. "
@@ -151,6 +154,8 @@ class ShardedSequential(tf.Module):
                 self.layers.append(op)
         if self.sharded_layers and isinstance(self.sharded_layers[0], ChannelShardedConv2D):
             self.sharded_layers[0].input_gradient = False  # nothing before it has weights
+        for layer in self.sharded_layers[:-1]:
+            layer.compute_dtype = tf.as_dtype(compute_dtype)
 
     def _convert(self, layer, index, sharded, folded):
         mode = "row" if sharded else "column"

@@ -110,6 +110,8 @@ class Strategy:
     is_chief = True
     #: Seed of the input shuffle; None follows TensorFlow's global seed.
     shuffle_seed = None
+    #: The Keras dtype policy the prepared model computes in; ``cnnpar.fit(precision=...)`` sets it.
+    precision = "float32"
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
@@ -150,7 +152,7 @@ class Strategy:
     def prepare(self, model):
         """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
-                               steps_per_execution=self.steps_per_execution,
+                               steps_per_execution=self.steps_per_execution, precision=self.precision,
                                clone=accumulation.wrap(keras.models.clone_model, self.accumulate))
 
     def fit(self, prepared, train, **fit_kwargs):

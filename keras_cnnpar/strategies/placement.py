@@ -83,7 +83,8 @@ class LayerPlacement(Strategy):
             placed = keras.models.clone_model(user_model, clone_function=place)
             return placed if self.microbatches == 1 else _MicroBatched(placed, self.microbatches)
 
-        return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone)
+        return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone,
+                               precision=self.precision)
 
     def report(self):
         """The stage table (stage, device, layers, parameters, bytes, estimated MFLOP per image, share)."""

@@ -78,8 +78,13 @@ class ChannelSharded(Strategy):
         return dtensor.create_mesh(list(zip(self.mesh_axes, self.mesh_shape)), devices=names)
 
     def prepare(self, model):
-        prepared = rebuild.rebuild(model, scope=self.scope())
-        self.sharded = sharded.ShardedSequential(prepared, self.mesh())
+        if self.precision == "mixed_float16":
+            raise ValueError("tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no "
+                             "loss scaling, which float16 needs. Use precision='mixed_bfloat16'. "
+                             "Received: precision='mixed_float16'")
+        prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
+        compute_dtype = "bfloat16" if self.precision == "mixed_bfloat16" else "float32"
+        self.sharded = sharded.ShardedSequential(prepared, self.mesh(), compute_dtype)
         self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights)
         if prepared.optimizer.built:
             self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
