@@ -16,6 +16,8 @@ Example:
 """
 
 import csv
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +36,10 @@ class EpochLogger(keras.callbacks.Callback):
     ``on_train_begin``, gets one flushed row per epoch, and closes in
     ``on_train_end``. Columns are ``epoch`` (1-based) then the rest sorted by
     name. A run that starts at ``initial_epoch > 0`` keeps the rows of the
-    epochs before it and appends, so no epoch appears twice.
+    epochs before it and appends, so no epoch appears twice. The new file is
+    written beside the old one and takes its place only once its first epoch
+    is complete: a rerun that fails before that leaves the previous run's
+    file as it was.
 
     It must come after callbacks that change the logs (it writes what it sees),
     and it measures an epoch's training time up to the start of validation.
@@ -60,13 +65,18 @@ class EpochLogger(keras.callbacks.Callback):
         self.info = info
         self.path = Path(results_dir) / info.epoch_csv
         self.rows = []
-        self._file = self._writer = None
+        self._file = self._writer = self._temporary = None
 
     def on_train_begin(self, logs=None):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        header = _keep_epochs(self.path, self.info.initial_epoch)
-        self._file = open(self.path, "a" if header else "w", newline="", encoding="utf-8")  # noqa: SIM115
+        header, kept = _kept_epochs(self.path, self.info.initial_epoch)
+        descriptor, self._temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
+                                                       dir=self.path.parent)
+        self._file = os.fdopen(descriptor, "w", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, header) if header else None
+        if self._writer is not None:
+            self._writer.writeheader()
+            self._writer.writerows(kept)
         self.rows = []
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -97,18 +107,24 @@ class EpochLogger(keras.callbacks.Callback):
             self._writer.writeheader()
         self._writer.writerow({key: row.get(key, "") for key in self._writer.fieldnames})
         self._file.flush()
+        if self._temporary is not None:  # the first complete epoch: the new file takes the old one's place
+            os.fsync(self._file.fileno())
+            os.replace(self._temporary, self.path)
+            self._temporary = None
         self.rows.append(row)
 
     def on_train_end(self, logs=None):
         self.close()
 
-    def close(self, failed=False):
-        """Close the file; after a failure, drop it if it holds no row (rows of completed epochs stay)."""
+    def close(self):
+        """Close the file. A new file that never completed an epoch goes and the previous one stays; after a
+        failure later on, the rows of the completed epochs stay."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if failed and self._writer is None and self.path.exists() and self.path.stat().st_size == 0:
-            self.path.unlink()
+        if self._temporary is not None:
+            Path(self._temporary).unlink(missing_ok=True)
+            self._temporary = None
 
 
 class RunRecorder(keras.callbacks.Callback):
@@ -128,6 +144,8 @@ class RunRecorder(keras.callbacks.Callback):
     def __init__(self, info, results_dir, epochs, report=None):
         super().__init__()
         self.info, self.results_dir, self.epochs, self.report = info, Path(results_dir), epochs, report
+        #: The run's row of ``runs.csv``, once training ended.
+        self.row = None
 
     def on_train_begin(self, logs=None):
         info = self.info
@@ -147,9 +165,9 @@ class RunRecorder(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self.epochs.rows:
-            row = runs.append_run(self.results_dir, self.info, self.epochs.rows)
+            self.row = runs.append_run(self.results_dir, self.info, self.epochs.rows)
             self._log(f"end model={self.info.model} strategy={self.info.strategy} "
-                      f"images_per_second={row['images_per_second']} speedup={row['speedup']}")
+                      f"images_per_second={self.row['images_per_second']} speedup={self.row['speedup']}")
 
     def on_failure(self, error):
         """Log why training stopped (``cnnpar.fit`` calls this when training raises)."""
@@ -165,12 +183,10 @@ def run_callbacks(info, results_dir, report=None):
     return [epochs, RunRecorder(info, results_dir, epochs, report)]
 
 
-def _keep_epochs(path, initial_epoch):
-    """Keep the rows of epochs ``<= initial_epoch`` in ``path``; return its header, or None to start anew."""
+def _kept_epochs(path, initial_epoch):
+    """``(header, rows)`` of the epochs ``<= initial_epoch`` in ``path``; ``(None, [])`` to start anew."""
     if initial_epoch <= 0 or not path.exists():
-        return None
+        return None, []
     with open(path, newline="", encoding="utf-8") as file:
         reader = csv.DictReader(file)
-        header, rows = reader.fieldnames, [r for r in reader if int(r["epoch"]) <= initial_epoch]
-    runs.write_atomic(path, runs.csv_text(header, rows))
-    return header
+        return reader.fieldnames, [r for r in reader if int(r["epoch"]) <= initial_epoch]

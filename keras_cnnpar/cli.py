@@ -14,6 +14,9 @@ from keras_cnnpar import __version__, arguments, registry, runs, startup
 from keras_cnnpar.subprocesses import python_command
 
 MODELS = list(runs.MODEL_NAMES)
+#: Seeds as TensorFlow and numpy take them.
+SEED = click.IntRange(0, 2**32 - 1)
+FORCE = click.option("--force", is_flag=True, help="Replace files that exist already.")
 PRECISION = click.option(
     "--precision", type=click.Choice(arguments.PRECISIONS), default="float32", show_default=True,
     help="Keras mixed-precision policy of training: mixed_bfloat16 on CPUs with AMX/AVX512-BF16 or GPUs with "
@@ -94,7 +97,7 @@ def main():
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Folder of the per-epoch CSV, runs.csv and results.log.")
 @click.option("--no-log", is_flag=True, help="Write no result files.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
 @PRECISION
 @click.option("--verbose", type=click.IntRange(0, 2), default=1, show_default=True,
               help="Keras progress: 0 silent, 1 progress bar, 2 one line per epoch.")
@@ -213,6 +216,14 @@ def _launch_workers(workers):
         sys.exit(failure.returncode if failure.returncode > 0 else 1)
 
 
+def _refuse_to_overwrite(paths, force):
+    """A usage error naming the first of ``paths`` that exists, unless ``force``."""
+    existing = [path for path in paths if os.path.exists(path)]
+    if existing and not force:
+        raise click.BadParameter(f"{existing[0]} exists; pass --force to replace it, or choose another path. "
+                                 f"Received: {existing[0]}", param_hint="--out")
+
+
 def _check_worker_count(workers):
     """In a worker that TF_CONFIG describes, --workers must agree with it."""
     from keras_cnnpar import cluster
@@ -251,11 +262,11 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
         f"  final         {final}",
     ]
     if results_dir is not None:
-        last = runs.read_csv(os.path.join(results_dir, runs.RUNS_CSV))[-1]
+        record = history.run_record  # this run's row of runs.csv (another run may have appended since)
         csv_name = runs.run_file_name(model.name, strategy.alias, strategy.num_devices)
         lines += [
-            f"  throughput    {last['images_per_second']} images/s (median of the epochs after the first), "
-            f"speedup vs single {last['speedup'] or 'n/a'}",
+            f"  throughput    {record['images_per_second']} images/s (median of the epochs after the first), "
+            f"speedup vs single {record['speedup'] or 'n/a'}",
             f"  files         {os.path.join(results_dir, csv_name)}",
             f"                {os.path.join(results_dir, runs.RUNS_CSV)}, "
             f"{os.path.join(results_dir, runs.RESULTS_LOG)}",
@@ -385,7 +396,8 @@ def export_command(weights, model_kind, base_dir, version, force):
 @click.option("--test", "test_csv", type=click.Path(dir_okay=False), required=True,
               help="Kaggle test.csv: pixel0..pixel783, no label.")
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Submission CSV to write.")
-def predict(model_dir, test_csv, out):
+@FORCE
+def predict(model_dir, test_csv, out, force):
     """Write Kaggle ImageId,Label predictions of an export for an unlabeled test.csv.
 
     Bad input exits with code 2 and writes nothing.
@@ -397,6 +409,7 @@ def predict(model_dir, test_csv, out):
     if not os.path.isfile(os.path.join(model_dir, "saved_model.pb")):
         raise click.BadParameter(f"{model_dir}: expected an export holding saved_model.pb. "
                                  f"Received: model_dir={model_dir}", param_hint="--model-dir")
+    _refuse_to_overwrite([out], force)
     try:
         rows = serving.predict_csv(model_dir, test_csv, out)
     except data_lib.DataError as error:
@@ -466,8 +479,9 @@ def data():
               help="Folder for train.csv and test.csv.")
 @click.option("--test-fraction", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.2,
               show_default=True, help="Share of each class written, unlabeled, to test.csv.")
-@click.option("--seed", type=int, default=0, show_default=True)
-def kaggle(out_dir, test_fraction, seed):
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@FORCE
+def kaggle(out_dir, test_fraction, seed, force):
     """Write the embedded digits as Kaggle digit-recognizer CSVs.
 
     train.csv has label,pixel0..pixel783; test.csv has pixel0..pixel783 and no label.
@@ -475,6 +489,7 @@ def kaggle(out_dir, test_fraction, seed):
     _quiet_tensorflow()
     from keras_cnnpar import data as data_lib
 
+    _refuse_to_overwrite([os.path.join(out_dir, name) for name in ("train.csv", "test.csv")], force)
     for path in data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed):
         click.echo(f"wrote {path}")
 

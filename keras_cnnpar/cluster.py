@@ -125,7 +125,8 @@ def _validated(config, source):
     _check_addresses(cluster, source)
     if not any(job in cluster for job in TRAINING_JOBS):
         raise ValueError(f"{source}: the cluster needs a 'worker' or 'chief' job. Received: jobs={sorted(cluster)}")
-    if not isinstance(task, dict) or task.get("type") not in cluster or not isinstance(task.get("index"), int):
+    index = task.get("index") if isinstance(task, dict) else None
+    if index is None or task.get("type") not in cluster or isinstance(index, bool) or not isinstance(index, int):
         raise ValueError(f"{source}: expected a 'task' with a 'type' among {sorted(cluster)} and an int 'index'. "
                          f"Received: task={task!r}")
     if not 0 <= task["index"] < len(cluster[task["type"]]):
@@ -135,11 +136,23 @@ def _validated(config, source):
 
 
 def _check_addresses(cluster, source):
+    """Refuse, before any connection, a job without addresses, or an address that no server could have:
+    no host, a port outside 1..65535 or not in ASCII digits, the same address for two tasks."""
+    seen = {}
     for job, addresses in cluster.items():
-        if not isinstance(addresses, list) or not addresses or not all(
-                isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
+        if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
             raise ValueError(f"{source}: job {job!r} must list 'host:port' addresses. "
                              f"Received: {job}={addresses!r}")
+        for index, address in enumerate(addresses):
+            host, _, port = address.rpartition(":")
+            if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+                raise ValueError(f"{source}: task {job}:{index} needs a 'host:port' address with a host and a port "
+                                 f"in 1..65535. Received: {job}[{index}]={address!r}")
+            key = (host.lower(), int(port))
+            if key in seen:
+                raise ValueError(f"{source}: tasks {seen[key]} and {job}:{index} have the same address; every task "
+                                 f"needs its own. Received: {job}[{index}]={address!r}")
+            seen[key] = f"{job}:{index}"
 
 
 def free_ports(n):

@@ -186,7 +186,7 @@ def plot(results_dir, rows):
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot
+    from matplotlib import pyplot, ticker
 
     kinds = sorted({r["model"] for r in rows})
     figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
@@ -197,7 +197,8 @@ def plot(results_dir, rows):
                 epochs = runs.read_csv(Path(results_dir) / run["epoch_csv"])
                 axis.plot([int(e["epoch"]) for e in epochs], [_number(e.get("val_accuracy", "")) for e in epochs],
                           marker="o", label=f"{strategy} x{devices}")
-        axis.set(title=kind, xlabel="epoch", ylabel="validation accuracy")
+        axis.set(title=runs.model_label(kind), xlabel="epoch", ylabel="validation accuracy")
+        axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         axis.legend(fontsize=7)
     _save(figure, Path(results_dir) / "accuracy.png")
     for column, label in (("images_per_second", "images/s"), ("speedup", "speedup vs single"),
@@ -208,7 +209,7 @@ def plot(results_dir, rows):
             axis.bar([f"{r['strategy']}\nx{r['devices']}" for r in chosen], [r[column] for r in chosen])
             if column == "efficiency":
                 axis.axhline(EFFICIENCY_FLOOR, color="red", linestyle="--", linewidth=1)
-            axis.set(title=kind, ylabel=label)
+            axis.set(title=runs.model_label(kind), ylabel=label)
             axis.tick_params(axis="x", labelsize=7)
         _save(figure, Path(results_dir) / f"{column.replace('images_per_second', 'throughput')}.png")
 

@@ -20,12 +20,15 @@ same global batch, in ``runs.csv`` and in the sweep summary alike:
 100.0
 """
 
+import contextlib
 import csv
 import dataclasses
+import fcntl
 import io
 import os
 import statistics
 import tempfile
+import warnings
 from datetime import datetime
 from pathlib import Path
 
@@ -76,6 +79,15 @@ def run_file_name(model_name, strategy, devices, suffix=".csv"):
 def kind_of(file_name):
     """The model kind (``"2+2"`` or ``"3+3"``) whose run files start like ``file_name``, else None."""
     return next((kind for kind, name in MODEL_NAMES.items() if Path(file_name).name.startswith(name + "_")), None)
+
+
+def model_label(model_name):
+    """The short name of a model in plots and tables: its kind (``"2+2"``) when it is one of ours, else its name.
+
+    >>> model_label("cnn2d_2layer_fullconnected_2layer"), model_label("my_cnn")
+    ('2+2', 'my_cnn')
+    """
+    return kind_of(model_name + "_") or model_name
 
 
 def now():
@@ -130,10 +142,30 @@ def write_atomic(path, content, write=None):
         raise
 
 
+@contextlib.contextmanager
+def locked(path):
+    """``path`` opened for reading and appending (created if missing) under an exclusive ``flock``.
+
+    Every append to a shared file of the results folder (``runs.csv``,
+    ``results.log``) goes through it, so concurrent runs into one folder never
+    interleave their writes nor both write a header.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", newline="", encoding="utf-8") as file:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+        try:
+            file.seek(0)
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        finally:
+            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
 def append_line(path, line):
     """Append one whole line to a text file (the results log), creating its folder."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as file:
+    with locked(path) as file:
+        file.seek(0, os.SEEK_END)
         file.write(line + "\n")
 
 
@@ -145,9 +177,16 @@ def run_throughput(epochs):
 
 def single_throughput(rows, model, global_batch):
     """Images/s of the latest Single run of ``model`` at ``global_batch`` among ``runs.csv`` rows, or None."""
-    matching = [r for r in rows if r["model"] == model and r["strategy"] == BASELINE
-                and str(r["global_batch"]) == str(global_batch) and r["images_per_second"] not in ("", None)]
-    return float(matching[-1]["images_per_second"]) if matching else None
+    matching = [r for r in rows if r.get("model") == model and r.get("strategy") == BASELINE
+                and str(r.get("global_batch")) == str(global_batch) and _number(r.get("images_per_second"))]
+    return _number(matching[-1]["images_per_second"]) if matching else None
+
+
+def _number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
 
 
 def speedup_and_efficiency(strategy, devices, throughput, baseline):
@@ -165,23 +204,53 @@ def speedup_and_efficiency(strategy, devices, throughput, baseline):
 
 
 def append_run(results_dir, info, epochs):
-    """Append the row of a finished run (its :class:`RunInfo` and epoch rows) to ``runs.csv``; return it."""
+    """Append the row of a finished run (its :class:`RunInfo` and epoch rows) to ``runs.csv``; return it.
+
+    A damaged ``runs.csv`` never fails the run: a file whose header is not
+    ``RUNS_COLUMNS`` is left alone (the row is not recorded there), and lines
+    with the wrong number of values are skipped when looking for the Single
+    baseline; each problem is a warning that names the file and the line.
+    """
     path = Path(results_dir) / RUNS_CSV
-    last, throughput = epochs[-1], run_throughput(epochs)
-    baseline = single_throughput(read_csv(path), info.model, info.global_batch)
-    speedup, efficiency = speedup_and_efficiency(info.strategy, info.devices, throughput, baseline)
-    row = {
-        "timestamp": now(), "model": info.model, "strategy": info.strategy, "devices": info.devices,
-        "global_batch": info.global_batch, "epochs": last["epoch"],
-        **{key: last.get(key, "") for key in ("loss", "accuracy", "val_loss", "val_accuracy")},
-        "train_seconds": round(sum(float(e["train_seconds"]) for e in epochs), 4),
-        "images_per_second": throughput, "speedup": speedup, "efficiency": efficiency,
-        "epoch_csv": info.epoch_csv,
-    }
-    new = not path.exists()
-    with open(path, "a", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, RUNS_COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    with locked(path) as file:
+        text = file.read()
+        rows, usable = _recorded_rows(path, text)
+        throughput = run_throughput(epochs)
+        speedup, efficiency = speedup_and_efficiency(
+            info.strategy, info.devices, throughput, single_throughput(rows, info.model, info.global_batch))
+        last = epochs[-1]
+        row = {
+            "timestamp": now(), "model": info.model, "strategy": info.strategy, "devices": info.devices,
+            "global_batch": info.global_batch, "epochs": last["epoch"],
+            **{key: last.get(key, "") for key in ("loss", "accuracy", "val_loss", "val_accuracy")},
+            "train_seconds": round(sum(float(e["train_seconds"]) for e in epochs), 4),
+            "images_per_second": throughput, "speedup": speedup, "efficiency": efficiency,
+            "epoch_csv": info.epoch_csv,
+        }
+        if usable:
+            file.write("" if not text or text.endswith("\n") else "\n")  # after a line cut short
+            writer = csv.DictWriter(file, RUNS_COLUMNS)
+            if not text:
+                writer.writeheader()
+            writer.writerow(row)
     return row
+
+
+def _recorded_rows(path, text):
+    """``(rows, usable)``: the well-formed rows of ``runs.csv``'s ``text``, and whether a row may be appended."""
+    lines = list(csv.reader(io.StringIO(text)))
+    if not lines:
+        return [], True
+    if lines[0] != RUNS_COLUMNS:
+        warnings.warn(f"{path}, line 1: expected the header {','.join(RUNS_COLUMNS)}. Received: "
+                      f"{','.join(lines[0])[:80]!r}; this run's row was not recorded there (move or fix the file)",
+                      stacklevel=3)
+        return [], False
+    rows = []
+    for number, values in enumerate(lines[1:], start=2):
+        if len(values) != len(RUNS_COLUMNS):
+            warnings.warn(f"{path}, line {number}: expected {len(RUNS_COLUMNS)} comma-separated values. Received: "
+                          f"{len(values)} values; the line is ignored", stacklevel=3)
+            continue
+        rows.append(dict(zip(RUNS_COLUMNS, values)))
+    return rows, True

@@ -88,11 +88,12 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     except BaseException as error:
         if logging:
             epoch_logger, recorder = logging
-            epoch_logger.close(failed=True)
+            epoch_logger.close()
             recorder.on_failure(error)
         raise
     strategy.finalize(prepared, model)
     history.set_model(model)
+    history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
     model.history = history
     return history
 

@@ -2,12 +2,13 @@ import csv
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 import pytest
 
 from keras_cnnpar import cli, data, registry
-from tests.helpers import BAD_TRAIN_FILES, ENV, write_lines
+from tests.helpers import BAD_TRAIN_FILES, ENV, processes, write_lines
 from tests.helpers import run_cli as run
 
 
@@ -142,3 +143,49 @@ def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_pat
     assert [line for line in result.stderr.splitlines() if line[:5] in ("E0000", "I0000", "W0000")] == []
     assert "All log messages before absl::InitializeLog" not in result.stderr
     assert re.fullmatch(r"training on /device:(CPU|GPU):0 \((no GPU|1 GPU) found\)", result.stdout.splitlines()[0])
+
+
+def test_docs_list_exactly_the_options_of_train():
+    text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    table = text.split("## `cnnpar train`", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(--[a-z-]+)", table))
+    options = {param.opts[0] for param in cli.train.params if isinstance(param, click.Option)}
+    assert documented == options - {"--help"}
+
+
+def test_data_kaggle_refuses_to_overwrite_without_force(kaggle_dir):
+    before = (kaggle_dir / "train.csv").read_bytes()
+    refused = run("data", "kaggle", "--out", kaggle_dir, "--seed", 1)
+    assert refused.exit_code == 2
+    assert f"{kaggle_dir / 'train.csv'} exists; pass --force to replace it" in " ".join(refused.output.split())
+    assert (kaggle_dir / "train.csv").read_bytes() == before
+    assert run("data", "kaggle", "--out", kaggle_dir, "--force").exit_code == 0  # the same seed: the same files
+    assert (kaggle_dir / "train.csv").read_bytes() == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--seed", "-1"], "Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295."),
+    (["data", "kaggle", "--out", "x", "--seed", "2e3"], "Invalid value for '--seed': '2e3' is not a valid integer"),
+])
+def test_out_of_range_options_are_usage_errors(tmp_path, args, message):
+    result = run(*args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_two_concurrent_runs_into_one_folder_record_both_whole(kaggle_dir, tmp_path):
+    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:201])
+    results = tmp_path / "results"
+    commands = [[sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", strategy, "--epochs", "2",
+                 "--data", str(small), "--results", str(results), "--verbose", "0"]
+                for strategy in ("single", "layers")]
+    with processes(commands, tmp_path, [ENV, ENV]) as started:
+        outputs = [process.communicate(timeout=300)[0] for process in started]
+    assert [process.returncode for process in started] == [0, 0], outputs
+    lines = (results / "runs.csv").read_text().splitlines()
+    assert lines[0].startswith("timestamp,model,") and sum(line.startswith("timestamp,") for line in lines) == 1
+    assert sorted(line.split(",")[2] for line in lines[1:]) == ["layers", "single"]
+    log = [line.split()[1:3] for line in (results / "results.log").read_text().splitlines()]
+    assert sorted(fields[1] for fields in log if fields[0] in ("start", "end")) == \
+        sorted(["model=cnn2d_2layer_fullconnected_2layer"] * 4)
+    assert run("report", "--results", results).exit_code == 0

@@ -44,7 +44,8 @@ def test_epoch_csv_has_one_row_per_epoch_flushed_during_training(small_cnn, tmp_
     path = tmp_path / CSV_NAME.format("mirrored_2dev")
     reader = ReadEpochCsv(path)
     history = train(small_cnn(), tmp_path, strategy=cnnpar.DataParallel(2), epochs=3, callbacks=[reader])
-    assert reader.seen == [[], ["1"], ["1", "2"]]  # each row is on disk before the next epoch starts
+    # No file before its first complete epoch; then each row is on disk before the next epoch starts.
+    assert reader.seen == [None, ["1"], ["1", "2"]]
     rows = read(path)
     assert list(rows[0]) == EPOCH_COLUMNS
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
@@ -138,3 +139,34 @@ def test_no_log_writes_no_file_at_all(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.rglob("*")) == []
+
+
+def test_a_rerun_that_fails_before_its_first_epoch_leaves_the_previous_file(small_cnn, tmp_path, train):
+    train(small_cnn(), tmp_path, epochs=2)
+    path = tmp_path / CSV_NAME.format("single_1dev")
+    before = path.read_bytes()
+    with pytest.raises(RuntimeError, match="boom"):
+        train(small_cnn(), tmp_path, callbacks=[Explode()])
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "results.log", "runs.csv"])  # no temp
+
+
+def test_a_damaged_runs_csv_costs_a_warning_not_the_run(small_cnn, tmp_path, train):
+    (tmp_path / "runs.csv").write_text("timestamp;model;strategy\n2026;m;single\n")
+    with pytest.warns(UserWarning) as warned:
+        history = train(small_cnn(), tmp_path, epochs=1)
+    assert [str(w.message) for w in warned] == [
+        f"{tmp_path / 'runs.csv'}, line 1: expected the header {','.join(runs.RUNS_COLUMNS)}. Received: "
+        f"'timestamp;model;strategy'; this run's row was not recorded there (move or fix the file)"]
+    assert (tmp_path / "runs.csv").read_text() == "timestamp;model;strategy\n2026;m;single\n"  # left alone
+    assert history.history["loss"] and read(tmp_path / CSV_NAME.format("single_1dev"))  # the run went on
+
+
+def test_a_line_cut_short_is_skipped_with_a_warning_and_the_row_still_lands(small_cnn, tmp_path, train):
+    train(small_cnn(), tmp_path, epochs=1)
+    text = (tmp_path / "runs.csv").read_text()
+    (tmp_path / "runs.csv").write_text(text[:text.rindex(",", 0, len(text) - 40)])  # no newline at the end
+    with pytest.warns(UserWarning, match=r"runs.csv, line 2: expected 15 comma-separated values. Received: "):
+        train(small_cnn(), tmp_path, epochs=1)
+    lines = (tmp_path / "runs.csv").read_text().splitlines()
+    assert len(lines) == 3 and lines[2].count(",") == 14

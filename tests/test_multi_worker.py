@@ -182,7 +182,19 @@ def test_the_launcher_fails_with_the_dead_workers_error(tmp_path):
     ({"cluster": {"cluster": {"ps": ["localhost:1"]}, "task": {"type": "ps", "index": 0}}}, ValueError,
      "TF_CONFIG: the cluster needs a 'worker' or 'chief' job. Received: jobs=['ps']"),
     ({"cluster": {"cluster": {"worker": ["localhost"]}, "task": {"type": "worker", "index": 0}}}, ValueError,
-     "TF_CONFIG: job 'worker' must list 'host:port' addresses. Received: worker=['localhost']"),
+     "TF_CONFIG: task worker:0 needs a 'host:port' address with a host and a port in 1..65535. "
+     "Received: worker[0]='localhost'"),
+    *(({"cluster": {"cluster": {"worker": ["localhost:1", address]}, "task": {"type": "worker", "index": 0}}},
+       ValueError, f"TF_CONFIG: task worker:1 needs a 'host:port' address with a host and a port in 1..65535. "
+                   f"Received: worker[1]={address!r}") for address in ("localhost:0", "localhost:65536", ":2222",
+                                                                      "localhost:\uff12\uff12")),
+    ({"cluster": {"cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.1:2222"]},
+                  "task": {"type": "worker", "index": 0}}}, ValueError,
+     "TF_CONFIG: tasks chief:0 and worker:0 have the same address; every task needs its own. "
+     "Received: worker[0]='10.0.0.1:2222'"),
+    ({"cluster": {"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": False}}}, ValueError,
+     "TF_CONFIG: expected a 'task' with a 'type' among ['worker'] and an int 'index'. "
+     "Received: task={'type': 'worker', 'index': False}"),
 ])
 def test_multi_worker_validates_its_arguments_before_joining(monkeypatch, tmp_path, kwargs, error, message):
     monkeypatch.delenv("TF_CONFIG", raising=False)

@@ -138,7 +138,8 @@ def test_predict_on_bad_input_exits_2_and_writes_nothing(exported, tmp_path):
     bad.write_text(",".join(f"pixel{i}" for i in range(784)) + "\n" + ",".join(["300"] * 784) + "\n")
     result = run("predict", "--model-dir", target, "--test", bad, "--out", tmp_path / "submission.csv")
     assert result.exit_code == 2
-    assert "line 2, column pixel0: expected a pixel value in 0..255. Received: 300" in " ".join(result.output.split())
+    assert "line 2, column pixel0: expected an integer pixel value in 0..255. Received: 300" in \
+        " ".join(result.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test.csv"]
 
 
@@ -147,3 +148,18 @@ def test_export_of_weights_that_do_not_exist_exits_2(tmp_path):
     result = run("export", "--weights", missing, "--out", tmp_path / "models")
     assert result.exit_code == 2 and "file not found" in result.output
     assert not (tmp_path / "models").exists()
+
+
+def test_predict_refuses_to_overwrite_a_file_without_force(exported, tmp_path):
+    _, target = exported
+    test_csv = tmp_path / "test.csv"
+    test_csv.write_text(",".join(f"pixel{i}" for i in range(784)) + "\n" + ",".join(["0"] * 784) + "\n")
+    out = tmp_path / "submission.csv"
+    out.write_text("mine\n")
+    refused = run("predict", "--model-dir", target, "--test", test_csv, "--out", out)
+    assert refused.exit_code == 2
+    assert f"{out} exists; pass --force to replace it, or choose another path." in " ".join(refused.output.split())
+    assert out.read_text() == "mine\n"
+    forced = run("predict", "--model-dir", target, "--test", test_csv, "--out", out, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert out.read_text().splitlines()[0] == "ImageId,Label"
