@@ -93,7 +93,7 @@ def main():
               show_default=True, help="Share of each class held out for validation (stratified).")
 @click.option("--scale-lr", type=click.Choice(["none", "linear", "sqrt"]), default=None,
               help="Scale the learning rate by the number of replicas (linear) or its square root. "
-                   "Default: the strategy's (none; sqrt for async-ps).")
+                   "Default: none.")
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results",
               show_default=True, help="Folder of the per-epoch CSV, runs.csv and results.log.")
 @click.option("--no-log", is_flag=True, help="Write no result files.")

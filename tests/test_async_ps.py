@@ -47,7 +47,7 @@ def test_in_process_cluster_reaches_single_accuracy_within_3_points(tmp_path):
         assert float(epoch["lost_workers"]) == 0.0
     log = (tmp_path / "results" / "results.log").read_text()
     assert "layout async-ps: 2 workers, 1 parameter servers (in-process cluster" in log
-    assert "learning rate x1.41 (scale_lr=sqrt)" in log
+    assert "learning rate x1 (scale_lr=None)" in log  # the default keeps the rate (docs/strategies.md)
 
 
 def test_two_parameter_servers_share_the_variables_and_a_bfloat16_run_exports(tmp_path):

@@ -33,10 +33,11 @@ class AsyncPS(CheckpointedStrategy):
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
     therefore noisier than under synchronous training, and too large a learning
-    rate diverges sooner. With N workers, the learning rate is scaled by √N by
-    default (``scale_lr="sqrt"``); pass ``scale_lr=None`` to keep it, as
-    momentum optimizers need (docs/strategies.md has the measured effect
-    on both CNNs). Each epoch
+    rate diverges sooner. The learning rate is kept by default
+    (``scale_lr=None``): each update uses a whole batch, so there is no larger
+    batch to scale for, and stale gradients already act like extra momentum
+    (docs/strategies.md has the measured effect on both CNNs; ``"sqrt"`` can
+    help an adaptive optimizer with few workers). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates landed between a step reading the weights and its gradient
     being ready to apply), and ``steps_applied`` (counted on the parameter
@@ -77,7 +78,7 @@ class AsyncPS(CheckpointedStrategy):
         cluster: None for an in-process cluster; else a ``TF_CONFIG``-style
             dict, a jobs map, a ``tf.train.ClusterSpec`` or the path of a JSON
             file, with ``worker`` and ``ps`` jobs.
-        scale_lr: ``"sqrt"`` (default), ``"linear"`` or ``None``.
+        scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
         steps_per_execution: training steps per scheduled function (default 8).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
         checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
@@ -90,7 +91,7 @@ class AsyncPS(CheckpointedStrategy):
     min_devices = 2
     device_option = "workers"
 
-    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr="sqrt", steps_per_execution=8, timeout=30,
+    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr=None, steps_per_execution=8, timeout=30,
                  checkpoint_dir="checkpoints", resume=False):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
