@@ -42,7 +42,8 @@ class Accumulating(keras.Model):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x[start:stop], training=True)
                 loss = self.compute_loss(x=x[start:stop], y=y[start:stop], y_pred=y_pred, training=True)
-            gradients = tape.gradient(loss, self.trainable_variables)
+                scaled_loss = self.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
+            gradients = tape.gradient(scaled_loss, self.trainable_variables)
             total = gradients if total is None else [a + b for a, b in zip(total, gradients)]
             self.compute_metrics(x[start:stop], y[start:stop], y_pred)
         self.optimizer.apply([g / self.micro_batches for g in total], self.trainable_variables)

@@ -22,6 +22,7 @@ per task of a parameter-server cluster; each runs this module's entry point,
 """
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from keras_cnnpar import runs, startup
@@ -335,68 +337,165 @@ def _tail(path, lines=20):
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-def start_servers(workers, ps, spec_path, *, timeout=60):
-    """Start one TensorFlow server process per task on loopback, wait until all answer, write their spec.
+def start_servers(workers, ps, spec_path, *, timeout=60, tries=3):
+    """Start one TensorFlow server process per task on loopback, check them, write their spec; return it.
 
-    The spec file holds ``{"cluster": {...}, "pids": {...}}``, written atomically
-    once every server answers; ``AsyncPS(cluster=spec_path)`` connects to them and
-    :func:`stop_servers` ends them. An existing spec file is never overwritten.
-    Returns the spec.
+    The spec file is reserved first (created exclusively, so an unwritable path
+    or a second ``start`` on the same path fails before any server starts),
+    then every server must answer, be alive and be the process that listens on
+    its port (another process may take a free port before the server binds it:
+    then the servers start again on fresh ports, ``tries`` times in all). The
+    spec, ``{"cluster", "pids", "token", "started"}``, replaces the
+    reservation once all is well; :func:`stop_servers` signals only processes
+    whose command line carries its token and whose start time it recorded.
+    A server that fails to start is reported with its own error output.
     """
     spec_path = Path(spec_path)
-    if spec_path.exists():
-        raise FileExistsError(f"{spec_path} exists: stop its servers first (cnnpar cluster stop --spec {spec_path}) "
-                              f"or choose another path. Received: spec={str(spec_path)!r}")
-    spec = local_spec(workers, ps)
-    processes = {job: [] for job in spec}
     try:
-        for job, addresses in spec.items():
-            for index in range(len(addresses)):
-                processes[job].append(subprocess.Popen(
-                    python_command("-m", "keras_cnnpar.cluster", "serve", "--cluster-json", json.dumps(spec),
-                                   "--job", job, "--index", str(index)),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        wait_reachable(spec, timeout)
+        reservation = os.open(spec_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        raise FileExistsError(f"{spec_path} exists: stop its servers first (cnnpar cluster stop --spec {spec_path}) "
+                              f"or choose another path. Received: spec={str(spec_path)!r}") from None
+    os.close(reservation)
+    try:
+        for attempt in range(1, tries + 1):
+            try:
+                config = _start_checked_servers(workers, ps, timeout)
+                break
+            except _PortTaken as taken:
+                if attempt == tries:
+                    raise ConnectionError(f"{taken}; {tries} tries on fresh ports all failed") from None
+        runs.write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
+        return config
     except BaseException:
-        for process in (p for job in processes.values() for p in job):
-            process.kill()
-            process.wait()
+        spec_path.unlink(missing_ok=True)
         raise
-    config = {"cluster": spec, "pids": {job: [p.pid for p in started] for job, started in processes.items()}}
-    runs.write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
-    return config
+
+
+class _PortTaken(RuntimeError):
+    """A server could not bind its port: another process took it after it was chosen."""
+
+
+def _start_checked_servers(workers, ps, timeout):
+    spec, token = local_spec(workers, ps), uuid.uuid4().hex
+    processes, outputs = {job: [] for job in spec}, {}
+    with contextlib.ExitStack() as files:
+        try:
+            for job, addresses in spec.items():
+                for index in range(len(addresses)):
+                    output = files.enter_context(tempfile.TemporaryFile())  # shown if the server fails to start
+                    outputs[job, index] = output
+                    processes[job].append(subprocess.Popen(
+                        python_command("-m", "keras_cnnpar.cluster", "serve", "--cluster-json", json.dumps(spec),
+                                       "--job", job, "--index", str(index), "--token", token),
+                        stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+            _wait_for_servers(spec, processes, outputs, timeout)
+        except BaseException:
+            for process in (p for started in processes.values() for p in started):
+                process.kill()
+                process.wait()
+            raise
+    pids = {job: [p.pid for p in started] for job, started in processes.items()}
+    return {"cluster": spec, "pids": pids, "token": token,
+            "started": {str(pid): _start_time(pid) for started in pids.values() for pid in started}}
+
+
+def _wait_for_servers(spec, processes, outputs, timeout):
+    """Wait until every server listens on its own port; raise with a dead server's output, or ``_PortTaken``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for job, started in processes.items():
+            for index, process in enumerate(started):
+                if process.poll() is not None:
+                    outputs[job, index].seek(0)
+                    output = outputs[job, index].read().decode(errors="replace").strip()
+                    message = f"server {job}:{index} exited with code {process.returncode} at start"
+                    if "address already in use" in output.lower() or "could not start" in output.lower():
+                        raise _PortTaken(f"{message}: its port {spec[job][index]} was taken")
+                    raise RuntimeError(f"{message}; its output:\n{output[-2000:]}")
+        waiting = [(job, index) for job, started in processes.items() for index, p in enumerate(started)
+                   if not _listens_on(p.pid, int(spec[job][index].rpartition(":")[2]))]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            job, index = waiting[0]
+            if not unreachable({job: [spec[job][index]]}):
+                raise _PortTaken(f"another process listens on {spec[job][index]}, the port of server {job}:{index}")
+            raise ConnectionError(f"server {job}:{index} did not listen on {spec[job][index]} within {timeout} s")
+        time.sleep(0.2)
+
+
+def _listens_on(pid, port):
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (from ``/proc``)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            return False
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    try:
+        sockets = {os.readlink(entry) for entry in Path(f"/proc/{pid}/fd").iterdir()}
+    except OSError:
+        return False
+    return any(f"socket:[{inode}]" in sockets for inode in inodes)
+
+
+def _start_time(pid):
+    """When ``pid`` started (clock ticks since boot), or None once it is gone: with the pid, it names a process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def stop_servers(spec_path, *, grace_seconds=5):
     """End the server processes that :func:`start_servers` recorded in ``spec_path``, then remove the file.
 
-    Only processes that are still this module's servers are signalled.
-    Returns how many were running.
+    A process is signalled only if it is still that server: its command line
+    carries the spec's token and it started when the spec says. A spec that
+    cannot be validated is refused and nothing is signalled. Returns how many
+    servers were running.
     """
     spec_path = Path(spec_path)
     if not spec_path.exists():
         raise FileNotFoundError(f"{spec_path} does not exist. Received: spec={str(spec_path)!r}")
-    pids = json.loads(spec_path.read_text(encoding="utf-8")).get("pids", {})
-    running = [pid for job in pids.values() for pid in job if _is_server(pid)]
+    config = _json(spec_path.read_text(encoding="utf-8"), str(spec_path))
+    if not isinstance(config, dict) or not isinstance(config.get("token"), str) or not isinstance(
+            config.get("pids"), dict) or not isinstance(config.get("started"), dict):
+        raise ValueError(f"{spec_path}: expected a spec written by `cnnpar cluster start` (cluster, pids, token, "
+                         f"started); refusing to signal anything. Received: keys "
+                         f"{sorted(config) if isinstance(config, dict) else type(config).__name__}")
+    pids = [pid for job in config["pids"].values() for pid in job]
+    foreign = [pid for pid in pids if _start_time(pid) is not None and not _is_server(pid, config)]
+    if foreign:
+        raise ValueError(f"{spec_path}: process {foreign[0]} is not a server this spec started (another command "
+                         f"line or start time); refusing to signal anything. Received: pids={pids}")
+    running = [pid for pid in pids if _is_server(pid, config)]
     for pid in running:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_seconds
-    while any(_is_server(pid) for pid in running) and time.monotonic() < deadline:
+    while any(_is_server(pid, config) for pid in running) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in running:
-        if _is_server(pid):
+        if _is_server(pid, config):
             os.kill(pid, signal.SIGKILL)
     spec_path.unlink()
     return len(running)
 
 
-def _is_server(pid):
+def _is_server(pid, config):
+    """Whether ``pid`` is a live server of the spec ``config``: its token on the command line, its start time."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return status != "Z" and b"keras_cnnpar.cluster" in command and b"serve" in command
+    return (status != "Z" and b"keras_cnnpar.cluster" in command and config["token"].encode() in command
+            and _start_time(pid) == config["started"].get(str(pid)))
 
 
 def serve(cluster, job, index):
@@ -422,6 +521,7 @@ def main(argv=None):
     server.add_argument("--cluster-json", required=True, help="the cluster's jobs map, as JSON")
     server.add_argument("--job", required=True)
     server.add_argument("--index", type=int, required=True)
+    server.add_argument("--token", default="", help="the spec's token, so `cluster stop` can tell its servers")
     options = parser.parse_args(argv)
     startup.quiet_start()
     serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index)

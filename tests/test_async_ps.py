@@ -67,7 +67,8 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     started = subprocess.run(cnnpar_command("cluster", "start", "--workers", "2", "--ps", "1", "--spec", str(spec)),
                              env=ENV, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr[-2000:]
-    pids = json.loads(spec.read_text())["pids"]
+    config = json.loads(spec.read_text())
+    pids = config["pids"]
     try:
         command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "3",
                                  "--verbose", "2", "--results", "results")
@@ -88,7 +89,7 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped 2 server processes" in stopped.stdout  # the killed worker was already gone
     assert not spec.exists()
-    assert not any(cluster._is_server(pid) for job in pids.values() for pid in job)
+    assert not any(cluster._is_server(pid, config) for job in pids.values() for pid in job)
 
 
 def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path):

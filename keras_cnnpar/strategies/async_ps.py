@@ -33,11 +33,14 @@ class AsyncPS(CheckpointedStrategy):
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
     therefore noisier than under synchronous training, and too large a learning
-    rate diverges sooner. The learning rate is kept by default
+    rate diverges sooner. By default each step's gradient is divided by its
+    staleness (at least 1), as staleness-aware async SGD does (Zhang et al.,
+    2016): a fresh gradient lands whole, a stale one damped, which kept the
+    momentum-SGD 3+3 CNN from diverging with 4 workers; Adam normalizes its
+    steps, so it is barely affected. The learning rate is kept
     (``scale_lr=None``): each update uses a whole batch, so there is no larger
-    batch to scale for, and stale gradients already act like extra momentum
-    (docs/strategies.md has the measured effect on both CNNs; ``"sqrt"`` can
-    help an adaptive optimizer with few workers). Each epoch
+    batch to scale for. docs/strategies.md has the measured effect on both
+    CNNs. Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates landed between a step reading the weights and its gradient
     being ready to apply), and ``steps_applied`` (counted on the parameter
@@ -79,6 +82,8 @@ class AsyncPS(CheckpointedStrategy):
             dict, a jobs map, a ``tf.train.ClusterSpec`` or the path of a JSON
             file, with ``worker`` and ``ps`` jobs.
         scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
+        staleness_aware: divide each step's gradient by its staleness (default
+            True); False applies every gradient whole.
         steps_per_execution: training steps per scheduled function (default 8).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
         checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
@@ -91,8 +96,8 @@ class AsyncPS(CheckpointedStrategy):
     min_devices = 2
     device_option = "workers"
 
-    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr=None, steps_per_execution=8, timeout=30,
-                 checkpoint_dir="checkpoints", resume=False):
+    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr=None, staleness_aware=True, steps_per_execution=8,
+                 timeout=30, checkpoint_dir="checkpoints", resume=False):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -103,6 +108,9 @@ class AsyncPS(CheckpointedStrategy):
         self.workers = len(self.spec["worker"]) if self.spec else workers
         self.ps = len(self.spec["ps"]) if self.spec else ps
         self.scale_lr = arguments.scale_lr(scale_lr)
+        if not isinstance(staleness_aware, bool):
+            raise TypeError(f"staleness_aware must be True or False. Received: staleness_aware={staleness_aware!r}")
+        self.staleness_aware = staleness_aware
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
         cluster_lib.wait_reachable(self.cluster, self.timeout)
         self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True))
@@ -129,7 +137,8 @@ class AsyncPS(CheckpointedStrategy):
     def report(self):
         lines = [f"async-ps: {self.workers} workers, {self.ps} parameter servers "
                  f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
-                 f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})",
+                 f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})"
+                 + ("; each gradient divided by its staleness" if self.staleness_aware else ""),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
                    for task, (count, size) in sorted(self._held.items())),
                  self.resumed_line()]
@@ -202,6 +211,7 @@ class _AsyncLoop:
         self.tf_strategy, self.coordinator = strategy._tf_strategy(), strategy.coordinator
         self.workers = {"worker": strategy.cluster["worker"]}
         self.model, self.steps_per_group = model, steps_per_group
+        self.staleness_aware = strategy.staleness_aware
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
         self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset))
@@ -229,6 +239,7 @@ class _AsyncLoop:
 
     def _traced_group(self, size):
         model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
+        staleness_aware = self.staleness_aware
 
         def one_step(batch):
             x, y = batch
@@ -236,8 +247,13 @@ class _AsyncLoop:
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+                scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
             variables = model.trainable_variables
-            gradients = tape.gradient(loss, variables)
+            gradients = tape.gradient(scaled_loss, variables)
+            if staleness_aware:
+                with tf.control_dependencies(gradients):  # updates that landed since this step read the weights
+                    lag = tf.cast(tf.maximum(applied.read_value() - seen, 1), gradients[0].dtype)
+                gradients = [g / lag for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
             model.compute_metrics(x, y, y_pred)
             with tf.control_dependencies(gradients):
