@@ -17,10 +17,13 @@ Example:
 """
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
 import tensorflow as tf
+
+from keras_cnnpar import runs
 
 
 class RunCheckpoint:
@@ -31,14 +34,22 @@ class RunCheckpoint:
         directory: the run's folder; its parent may hold other runs' folders.
         resume: allow an existing checkpoint (to restore it); without it, an
             existing one is an error that says how to continue or start over.
+        config: the run's configuration (model, strategy, devices, global batch,
+            data, ...), recorded beside the checkpoint; resuming with another
+            one is an error that names each difference.
     """
 
-    def __init__(self, model, directory, resume):
+    #: The file beside the checkpoint that records the configuration of its run.
+    CONFIG = "run.json"
+
+    def __init__(self, model, directory, resume, config=None):
         self.directory = Path(directory)
+        self.config = dict(config or {})
         if not resume and self.directory.exists():
             raise ValueError(f"{self.directory} holds the checkpoint of an interrupted run; pass resume=True "
                              f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
                              f"Received: resume=False")
+        self._check_config()
         self.epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, completed_epochs=self.epochs)
         self._manager = None
@@ -59,6 +70,25 @@ class RunCheckpoint:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         return self.completed_epochs
 
+    def _check_config(self):
+        """Refuse to resume a checkpoint recorded for another configuration, naming every difference."""
+        path = self.directory / self.CONFIG
+        if not self.config or not path.exists():
+            return
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        differences = [f"{key} {recorded.get(key)!r} (checkpoint) vs {value!r} (this run)"
+                       for key, value in self.config.items() if recorded.get(key, value) != value]
+        if differences:
+            raise ValueError(f"{self.directory} holds the checkpoint of another configuration: "
+                             f"{'; '.join(differences)}. Resume with the checkpoint's settings, or delete the folder "
+                             f"to start over. Received: resume=True")
+
+    def record_config(self):
+        """Write the run's configuration beside the checkpoint (with the first checkpoint)."""
+        if self.config:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            runs.write_atomic(self.directory / self.CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+
     def save(self, completed_epochs):
         """Write the checkpoint after ``completed_epochs``; the previous one goes once this one is complete."""
         previous = self.completed_epochs
@@ -67,6 +97,7 @@ class RunCheckpoint:
             self._manager = tf.train.CheckpointManager(self.checkpoint, self._absolute, max_to_keep=1)
         try:
             self._manager.save()
+            self.record_config()
         except BaseException:
             self.epochs.assign(previous)  # the checkpoint on disk is still the previous one
             raise

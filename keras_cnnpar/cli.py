@@ -439,7 +439,12 @@ def cluster_start(workers, ps, spec_path):
         config = cluster.start_servers(workers, ps, spec_path)
     except FileExistsError as error:
         raise click.BadParameter(str(error), param_hint="--spec") from None
-    except ConnectionError as error:
+    except OSError as error:
+        if isinstance(error, ConnectionError):
+            raise click.ClickException(str(error)) from None
+        raise click.BadParameter(f"cannot write the spec {spec_path}: {error.strerror}; no server was started. "
+                                 f"Received: --spec {spec_path}", param_hint="--spec") from None
+    except RuntimeError as error:
         raise click.ClickException(str(error)) from None
     click.echo(f"started {workers} workers and {ps} parameter servers: {config['cluster']}; spec in {spec_path}")
 
@@ -453,7 +458,7 @@ def cluster_stop(spec_path):
 
     try:
         stopped = cluster.stop_servers(spec_path)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--spec") from None
     click.echo(f"stopped {stopped} server processes; removed {spec_path}")
 

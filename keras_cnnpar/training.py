@@ -12,6 +12,7 @@ Example:
 """
 
 import functools
+import hashlib
 import math
 
 import keras
@@ -70,8 +71,14 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
+    if strategy.keeps_checkpoints:
+        strategy.run_config = _run_config(model, strategy, batch_size, x if isinstance(x, tf.data.Dataset) else y)
     prepared = strategy.prepare(model)
     initial_epoch = strategy.resume_epoch(initial_epoch)
+    if strategy.keeps_checkpoints and strategy.resume and strategy.run_checkpoint and initial_epoch >= epochs:
+        raise ValueError(f"{strategy.run_checkpoint.directory} already holds all {epochs} requested epochs "
+                         f"({initial_epoch} completed); there is nothing to train, and the checkpoint is kept. "
+                         f"Received: epochs={epochs}")
     report = strategy.report()
     if report and fit_kwargs.get("verbose", 1):
         print(report)
@@ -127,6 +134,22 @@ def parallel(model):
 
     model.fit = fit_with_strategy
     return model
+
+
+def _run_config(model, strategy, batch_size, labels):
+    """What a checkpoint records of its run, so that a resume with other settings is refused.
+
+    The data is identified by its size and a digest of its labels (or, for a
+    dataset, its cardinality), which a changed split, seed or source alters.
+    """
+    if isinstance(labels, tf.data.Dataset):
+        data = f"tf.data.Dataset of {int(labels.cardinality())} batches"
+    else:
+        labels = np.ascontiguousarray(labels)
+        data = f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
+    return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
+            "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
+            "accumulate": strategy.accumulate, "precision": strategy.precision}
 
 
 def _check_model(model):

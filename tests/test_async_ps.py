@@ -17,7 +17,15 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import cluster
-from tests.helpers import ENV, cnnpar_command, epoch_column, processes, wait_for_epoch_rows, wait_for_file
+from tests.helpers import (
+    ENV,
+    cnnpar_command,
+    epoch_column,
+    processes,
+    suite_processes,
+    wait_for_epoch_rows,
+    wait_for_file,
+)
 from tests.helpers import read_rows as rows
 
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_async-ps_2dev"
@@ -174,3 +182,36 @@ def test_a_malformed_spec_file_names_the_line(tmp_path):
     with pytest.raises(ValueError) as raised:
         cnnpar.AsyncPS(cluster=str(spec))
     assert str(raised.value).startswith(f"{spec}: expected JSON, line 2 column 9: Expecting value. Received: ")
+
+
+def test_cluster_stop_refuses_a_spec_whose_pids_are_another_clusters_servers(tmp_path):
+    mine, theirs = tmp_path / "mine.json", tmp_path / "theirs.json"
+    started = subprocess.run(cnnpar_command("cluster", "start", "--workers", "1", "--spec", str(theirs)), env=ENV,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    config = json.loads(theirs.read_text())
+    try:
+        mine.write_text(json.dumps({**config, "token": "0" * 32}))  # their pids, another cluster's token
+        refused = subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(mine)), env=ENV,
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2
+        first = config["pids"]["worker"][0]
+        assert f"process {first} is not a server this spec started (another command line or start time); " \
+               f"refusing to signal anything" in " ".join(refused.stderr.split())
+        assert all(cluster._is_server(pid, config) for job in config["pids"].values() for pid in job)
+        assert mine.exists()
+    finally:
+        stopped = subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(theirs)), env=ENV,
+                                 capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0 and "stopped 2 server processes" in stopped.stdout
+
+
+def test_cluster_start_with_an_unwritable_spec_starts_no_server(tmp_path):
+    spec = tmp_path / "missing-folder" / "cluster.json"
+    before = set(suite_processes())
+    result = subprocess.run(cnnpar_command("cluster", "start", "--spec", str(spec)), env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"cannot write the spec {spec}: No such file or directory; no server was started." in \
+        " ".join(result.stderr.split())
+    assert set(suite_processes()) <= before and not spec.exists()

@@ -132,6 +132,22 @@ def test_an_existing_checkpoint_needs_resume(tmp_path):
     assert checkpoints.RunCheckpoint(model, folder, resume=True).restore() == 1
 
 
+def test_resuming_with_another_configuration_refuses_and_names_each_difference(tmp_path):
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    folder = tmp_path / "checkpoints" / RUN
+    config = {"model": "small_cnn", "strategy": "multi-worker", "devices": 2, "global_batch": 64, "data": "d1"}
+    checkpoints.RunCheckpoint(model, folder, resume=False, config=config).save(completed_epochs=1)
+    assert json.loads((folder / "run.json").read_text()) == config
+    with pytest.raises(ValueError) as raised:
+        checkpoints.RunCheckpoint(model, folder, resume=True, config={**config, "global_batch": 32, "data": "d2"})
+    assert str(raised.value) == (
+        f"{folder} holds the checkpoint of another configuration: global_batch 64 (checkpoint) vs 32 (this run); "
+        f"data 'd1' (checkpoint) vs 'd2' (this run). Resume with the checkpoint's settings, or delete the folder to "
+        f"start over. Received: resume=True")
+    assert checkpoints.RunCheckpoint(model, folder, resume=True, config=config).restore() == 1
+
+
 def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
     command = cnnpar_train("--epochs", "20", "--results", "results", "--collective-timeout", "15")
     with processes([command] * 2, tmp_path, worker_envs()) as (chief, other):

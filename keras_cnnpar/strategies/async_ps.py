@@ -149,7 +149,8 @@ class AsyncPS(CheckpointedStrategy):
         self.build_optimizer(prepared)
         self._held = _bytes_per_task(prepared.weights)
         if self.checkpoint_dir is not None:
-            self.run_checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), self.resume)
+            self.run_checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), self.resume,
+                                                            self.run_config)
             self.run_checkpoint.restore()
         return prepared
 

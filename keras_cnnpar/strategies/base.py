@@ -198,6 +198,8 @@ class CheckpointedStrategy(Strategy):
         self.resume = bool(resume)
         self.timeout = arguments.positive_seconds("timeout", timeout)
         self.run_checkpoint = None
+        #: What the checkpoint records of the run (``cnnpar.fit`` sets it); resuming must match it.
+        self.run_config = {}
 
     def checkpoint_folder(self, prepared):
         """The folder of this run configuration's checkpoint."""

@@ -125,7 +125,7 @@ class MultiWorker(CheckpointedStrategy):
         if self.checkpoint_dir is not None:
             self.build_optimizer(prepared)
             self.run_checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared,
-                                                        self.checkpoint_folder(prepared), self.resume)
+                                                        self.checkpoint_folder(prepared), self.resume, self.run_config)
         return prepared
 
     def report(self):
@@ -212,10 +212,10 @@ class _PreemptionCheckpoint:
     removed when they finish.
     """
 
-    def __init__(self, strategy, task, prepared, directory, resume):
+    def __init__(self, strategy, task, prepared, directory, resume, config):
         self.directory = directory
         self.task = task
-        self._run = checkpoints.RunCheckpoint(prepared, directory, resume)
+        self._run = checkpoints.RunCheckpoint(prepared, directory, resume, config)
         self._sigterm = signal.getsignal(signal.SIGTERM)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(  # restores a checkpoint it finds
@@ -223,6 +223,8 @@ class _PreemptionCheckpoint:
         self.completed_epochs = self._run.completed_epochs
 
     def _exit(self):
+        if self.task.is_chief:
+            self._run.record_config()
         raise Preempted(self.directory)
 
     def callback(self):
