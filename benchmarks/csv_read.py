@@ -4,11 +4,11 @@ Writes a 42,000-row ``train.csv`` (the real file's size, about 73 MiB) and a
 28,000-row ``test.csv`` from the embedded digits into a temporary folder (not
 committed), then reads each one in fresh processes, interleaved over rounds:
 
-- ``pandas``: ``pandas.read_csv(dtype=uint8)`` and scaling to float32 in [0, 1],
-  the field's usual tool (no validation);
-- ``cnnpar``: ``cnnpar.data.load`` (train.csv, every value validated, float32
-  images) and ``cnnpar.data.read_kaggle_csv(labeled=False)`` (test.csv, as
-  ``cnnpar predict`` reads it).
+- ``pandas``: ``pandas.read_csv(dtype=uint8)`` and scaling to float32 in [0, 1]
+  (in place), the field's usual tool (no validation);
+- ``cnnpar``: ``cnnpar.data.load`` (train.csv through Apache Arrow's parser,
+  every value validated, float32 images) and ``cnnpar.data.read_kaggle_csv(labeled=False)`` (test.csv, as
+  ``cnnpar predict`` reads it), scaled to float32 images as pandas' are.
 
 Peak memory is the child's peak RSS above its RSS after its imports. Targets:
 cnnpar no slower than pandas, and its peak at most twice the final arrays.
@@ -27,7 +27,7 @@ import numpy as np
 
 READ = r"""
 import resource, sys, time
-import numpy as np, pandas as pd
+import numpy as np, pandas as pd, pyarrow.csv  # both readers' libraries imported before the clock starts
 from keras_cnnpar import data
 
 def rss_mib():
@@ -39,14 +39,16 @@ baseline = rss_mib()
 start = time.perf_counter()
 if reader == "pandas":
     values = pd.read_csv(path, dtype=np.uint8).to_numpy()
-    images = (values[:, 1:] if labeled else values).astype(np.float32) / 255.0
+    images = (values[:, 1:] if labeled else values).astype(np.float32)
+    images /= 255.0
     arrays = images.nbytes + (values[:, 0].nbytes if labeled else 0)
 elif labeled:
     digits = data.load(path)
     arrays = digits.x.nbytes + digits.y.nbytes
 else:
     pixels, _ = data.read_kaggle_csv(path, labeled=False)
-    arrays = pixels.nbytes
+    images = data._images(pixels)
+    arrays = images.nbytes
 seconds = time.perf_counter() - start
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
 print(f"{seconds} {peak} {arrays / 2 ** 20}")

@@ -205,15 +205,13 @@ def _mesh(value):
 
 
 def _launch_workers(workers):
-    """Run this command in ``workers`` local processes (each finds TF_CONFIG set) and forward a failure."""
+    """Run this command in ``workers`` local processes (each finds TF_CONFIG set); exit with a failure's code."""
     from keras_cnnpar import cluster
 
-    try:
-        command = python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context()))
-        cluster.run_local_workers(command, workers)
-    except cluster.WorkerFailed as failure:
-        click.echo(f"Error: {failure}", err=True)
-        sys.exit(failure.returncode if failure.returncode > 0 else 1)
+    code = cluster.launch(python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())),
+                          workers)
+    if code:
+        sys.exit(code)
 
 
 def _refuse_to_overwrite(paths, force):
@@ -447,6 +445,8 @@ def cluster_start(workers, ps, spec_path):
     except RuntimeError as error:
         raise click.ClickException(str(error)) from None
     click.echo(f"started {workers} workers and {ps} parameter servers: {config['cluster']}; spec in {spec_path}")
+    ports = [address.rpartition(":")[2] for addresses in config["cluster"].values() for address in addresses]
+    click.echo(cluster.exposure_warning("cluster", ports), err=True)
 
 
 @cluster_group.command("stop")

@@ -25,10 +25,14 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
+import functools
 import json
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -224,25 +228,93 @@ def _answers(address):
         return False
 
 
-def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_seconds=120):
+def launch(command, workers):
+    """Run ``command`` (an argv list) once per worker on this machine, as ``torchrun`` does; return the exit code.
+
+    Where Linux lets an ordinary user make namespaces (``unshare --user --net``),
+    the workers run in a private network namespace of their own: its loopback
+    is theirs alone, so the TensorFlow servers they start, which listen on
+    every interface, cannot be reached from any other host or process. Without
+    that, one line warns that the servers are reachable and how to block them.
+    A failure prints ``Error: worker I ...`` and returns that worker's exit code
+    (1 for a signal); SIGTERM and SIGINT are passed on (see
+    :func:`run_local_workers`), and a second SIGINT kills every worker.
+    """
+    if not private_network_available():
+        print(exposure_warning("local workers"), file=sys.stderr, flush=True)
+        return _run_and_report(command, workers)
+    inner = python_command("-m", "keras_cnnpar.cluster", "workers", "--workers", str(workers), "--", *command)
+    process = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--", *inner])
+    forward = _forward_signals([process])
+    try:
+        code = process.wait()
+    finally:
+        forward.restore()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return code if code >= 0 else 1
+
+
+def _run_and_report(command, workers, parent=None):
+    try:
+        run_local_workers(command, workers, parent=parent)
+    except WorkerFailed as failure:
+        print(f"Error: {failure}", file=sys.stderr, flush=True)
+        return failure.returncode if failure.returncode > 0 else 1
+    return 0
+
+
+@functools.cache
+def private_network_available():
+    """Whether this machine lets this user run a command in a private network namespace (``unshare``)."""
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
+def exposure_warning(what, ports=()):
+    """The one line printed when servers start that other hosts can reach."""
+    listed = ",".join(map(str, ports)) or "PORTS"
+    where = f" (ports {listed})" if ports else ""
+    return (f"warning: the TensorFlow servers of the {what} listen on every network interface{where} and run any "
+            f"graph sent to them, unauthenticated; on a shared network, block them, e.g. `iptables -I INPUT -p tcp "
+            f"-m multiport --dports {listed} ! -i lo -j DROP` (docs/strategies.md, Security)")
+
+
+def _loopback_up():
+    """Bring up ``lo`` in this (new) network namespace, where it starts down."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket() as handle:
+        request = struct.pack("16sH14s", b"lo", 0, b"")
+        flags = struct.unpack("16sH14s", fcntl.ioctl(handle, siocgifflags, request))[1]
+        fcntl.ioctl(handle, siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up, b""))
+
+
+def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_seconds=120, parent=None):
     """Run ``command`` (an argv list) once per worker on loopback; raise ``WorkerFailed`` on failure.
 
     Each process gets its own ``TF_CONFIG`` and its share of the cores for
-    TensorFlow's thread pools (environment variables already set win). The
-    chief's output goes to this process's stdout and stderr as it comes; the
-    other workers' goes to
-    temporary files that are removed at the end, and a failing worker's last
-    lines are in the error. When one worker fails the others are killed, except
-    after a preemption: then they get ``preemption_grace_seconds`` to finish
-    their checkpoint. A SIGTERM or SIGINT sent here is passed on to the workers
-    as SIGTERM, so they save a preemption checkpoint and stop.
+    TensorFlow's thread pools (environment variables already set win), and
+    dies with this process. The chief's output goes to this process's stdout
+    and stderr as it comes; the other workers' goes to temporary files that
+    are removed at the end, and a failing worker's last lines are in the
+    error. When one worker fails the others are killed, except after a
+    preemption: then they get ``preemption_grace_seconds`` to finish their
+    checkpoint. A SIGTERM or SIGINT sent here is passed on to the workers as
+    SIGTERM, so they save a preemption checkpoint and stop; a second SIGINT
+    kills them. With ``parent``, the workers are killed as soon as that
+    process is gone.
     """
     spec = local_spec(workers)
     with tempfile.TemporaryDirectory(prefix="cnnpar-workers-") as logs:
-        processes = [_start_worker(command, Task(spec, "worker", i), logs) for i in range(workers)]
+        processes = []
         forward = _forward_signals(processes)
         try:
-            failed = _wait_for_failure(processes, poll_seconds)
+            for index in range(workers):
+                processes.append(_start_worker(command, Task(spec, "worker", index), logs))
+            failed = _wait_for_failure(processes, poll_seconds, parent)
             if failed is not None and processes[failed].returncode == PREEMPTED_EXIT_CODE:
                 _wait_all(processes, preemption_grace_seconds)
         finally:
@@ -293,9 +365,17 @@ def _thread_share(workers):
     return {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 1) // workers)), "TF_NUM_INTEROP_THREADS": "2"}
 
 
-def _wait_for_failure(processes, poll_seconds):
-    """Wait until every process ended; return the index of the first that failed, or None."""
+def _wait_for_failure(processes, poll_seconds, parent=None):
+    """Wait until every process ended; return the index of the first that failed, or None.
+
+    When ``parent`` is given and is no longer this process's parent, every
+    process is killed and this process exits: its launcher is gone.
+    """
     while True:
+        if parent is not None and os.getppid() != parent:
+            for process in processes:
+                process.kill()
+            sys.exit(1)
         codes = [p.poll() for p in processes]
         failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
         if failed:
@@ -315,16 +395,18 @@ def _wait_all(processes, seconds):
 
 
 class _forward_signals:
-    """Pass SIGTERM and SIGINT on to ``processes`` as SIGTERM, until ``restore()``."""
+    """Pass SIGTERM and SIGINT on to ``processes`` as SIGTERM, until ``restore()``; a second SIGINT kills them."""
 
     def __init__(self, processes):
-        self.processes = processes
+        self.processes, self.interrupted = processes, False
         self.previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _forward(self, signum, frame):
+        escalate = signum == signal.SIGINT and self.interrupted
+        self.interrupted = self.interrupted or signum == signal.SIGINT
         for process in self.processes:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGKILL if escalate else signal.SIGTERM)
 
     def restore(self):
         for sig, handler in self.previous.items():
@@ -516,13 +598,20 @@ def main(argv=None):
     """The entry point of server processes: ``python -m keras_cnnpar.cluster serve ...``."""
     parser = argparse.ArgumentParser(prog="python -m keras_cnnpar.cluster",
                                      description="Run one task's TensorFlow server of a parameter-server cluster.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="action", required=True)
     server = commands.add_parser("serve", help="run the server of task JOB:INDEX until the process ends")
     server.add_argument("--cluster-json", required=True, help="the cluster's jobs map, as JSON")
     server.add_argument("--job", required=True)
     server.add_argument("--index", type=int, required=True)
     server.add_argument("--token", default="", help="the spec's token, so `cluster stop` can tell its servers")
+    group = commands.add_parser("workers", help="run COMMAND once per local worker (inside a private network)")
+    group.add_argument("--workers", type=int, required=True)
+    group.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     options = parser.parse_args(argv)
+    if options.action == "workers":
+        _loopback_up()
+        command = options.argv[1:] if options.argv[:1] == ["--"] else options.argv
+        sys.exit(_run_and_report(command, options.workers, parent=os.getppid()))
     startup.quiet_start()
     serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index)
 

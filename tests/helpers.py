@@ -180,12 +180,18 @@ def wait_for_file(path, process, timeout=120):
 
 
 def worker_pid(launcher, index):
-    """The pid of local worker ``index`` started by the launcher process."""
-    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
-    for pid in children:
-        if f'"index": {index}}}' in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
-            return int(pid)
-    raise AssertionError(f"worker {index} is not a child of the launcher {launcher.pid}: {children}")
+    """The pid of local worker ``index`` started by the launcher process (directly or through its namespace)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for pid in descendants(launcher.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if f'"index": {index}}}' in environ:
+                return pid
+        time.sleep(0.2)
+    raise AssertionError(f"worker {index} is not below the launcher {launcher.pid}")
 
 
 # Kaggle CSV test data, for the data loader's and the CLI's tests.

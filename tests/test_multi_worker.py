@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints
+from keras_cnnpar import checkpoints, cluster
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -175,11 +175,32 @@ def test_a_cluster_that_does_not_assemble_fails_within_the_timeout(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_the_launcher_fails_with_the_dead_workers_error(tmp_path):
+def listening_ports(net_folder):
+    """The TCP ports in LISTEN state in a ``/proc/.../net`` folder (one network namespace's view)."""
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in (net_folder / table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_a_dead_worker(tmp_path):
     command = cnnpar_train("--workers", "2", "--epochs", "20", "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
-        os.kill(worker_pid(launcher, 1), signal.SIGKILL)
+        worker = worker_pid(launcher, 1)
+        environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+        tf_config = json.loads(next(v for v in environ if v.startswith(b"TF_CONFIG="))[len("TF_CONFIG="):])
+        ports = {int(address.rpartition(":")[2]) for address in tf_config["cluster"]["worker"]}
+        if cluster.private_network_available():
+            assert os.readlink(f"/proc/{worker}/ns/net") != os.readlink("/proc/self/ns/net")
+            assert ports <= listening_ports(Path(f"/proc/{worker}/net"))  # they listen, in the workers' network
+            assert not ports & listening_ports(Path("/proc/self/net"))  # and nothing on this machine's
+        else:  # no namespaces for this user here: the launcher warned, and the servers listen on this machine
+            assert ports <= listening_ports(Path("/proc/self/net"))
+        os.kill(worker, signal.SIGKILL)
         output = launcher.communicate(timeout=60)[0]
     assert launcher.returncode == 1
     assert "Error: worker 1 was killed by SIGKILL; its last output:" in output

@@ -4,6 +4,7 @@ import contextlib
 import functools
 import json
 import math
+import sys
 
 import keras
 import numpy as np
@@ -302,6 +303,8 @@ def _evaluator(prepared):
 def _in_process_cluster(workers, ps):
     """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this process, once; return their spec."""
     spec = cluster_lib.local_spec(workers, ps)
+    ports = [address.rpartition(":")[2] for addresses in spec.values() for address in addresses]
+    print(cluster_lib.exposure_warning("in-process cluster", ports), file=sys.stderr, flush=True)
     cluster_spec = tf.train.ClusterSpec(spec)
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=workers + 1)
     _in_process_cluster.servers = [
