@@ -10,7 +10,6 @@ the median of the epochs after the first (tracing).
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -22,21 +21,10 @@ NAMES = cnnpar.devices.configure(2, kind=KIND)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from epoch_timer import EpochTimer  # noqa: E402
 from helpers import balanced, build_small_cnn, max_weight_difference  # noqa: E402
 
 tf.config.experimental.enable_tensor_float_32_execution(False)
-
-
-class EpochRates(keras.callbacks.Callback):
-    def __init__(self, images):
-        super().__init__()
-        self.images, self.rates = images, []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.rates.append(self.images / (time.perf_counter() - self.start))
 
 
 def parity(digits):
@@ -55,7 +43,7 @@ def parity(digits):
 def throughput(train, strategy, batch, precision, epochs=4):
     keras.utils.set_random_seed(0)
     model = cnnpar.models.cnn("2+2")
-    rates = EpochRates(len(train))
+    rates = EpochTimer(len(train))
     model.fit(train.x, train.y, epochs=epochs, batch_size=batch, verbose=0, callbacks=[rates], strategy=strategy,
               results_dir=None, precision=precision)
     return statistics.median(rates.rates[1:])

@@ -6,7 +6,6 @@ Import it first: it creates the logical devices before TensorFlow starts.
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -14,21 +13,7 @@ import keras_cnnpar as cnnpar
 
 cnnpar.devices.configure(4)
 
-import keras  # noqa: E402
-
-
-class EpochTimer(keras.callbacks.Callback):
-    """Records each epoch's images/s: ``images`` over the epoch's wall time."""
-
-    def __init__(self, images):
-        super().__init__()
-        self.images, self.rates = images, []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.rates.append(self.images / (time.perf_counter() - self.start))
+from epoch_timer import EpochTimer  # noqa: E402, F401  (the scripts import it from here)
 
 
 def training_split():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cluster
+from keras_cnnpar import checkpoints, cluster, data
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -28,6 +28,7 @@ from tests.helpers import (
     wait_for_epoch_rows,
     worker_envs,
     worker_pid,
+    write_lines,
 )
 
 JOB = Path(__file__).with_name("multi_worker_job.py")
@@ -256,3 +257,31 @@ def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, messag
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in " ".join(result.stderr.split())
     assert not (tmp_path / "results").exists()
+
+
+@pytest.fixture(scope="module")
+def small_csv(tmp_path_factory):
+    """A Kaggle train.csv of 400 digits, so an epoch under 2 workers takes a second or two."""
+    folder = tmp_path_factory.mktemp("data")
+    train_path, _ = data.write_kaggle(folder, test_fraction=0.2, seed=0)
+    return write_lines(folder / "small.csv", train_path.read_text().splitlines()[:401])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda sig: sig.name)
+def test_no_worker_outlives_its_launcher(tmp_path, small_csv, sig):
+    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
+    with processes([command], tmp_path, [ENV]) as (launcher,):
+        wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
+        workers = [worker_pid(launcher, index) for index in (0, 1)]
+        os.kill(launcher.pid, sig)  # a closed terminal, or the launcher killed outright
+        deadline = time.monotonic() + 30
+        while (alive := [pid for pid in workers if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive == [], f"workers {alive} outlived their launcher"
+
+
+def _alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
