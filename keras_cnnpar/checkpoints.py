@@ -45,7 +45,7 @@ class RunCheckpoint:
     def __init__(self, model, directory, resume, config=None):
         self.directory = Path(directory)
         self.config = dict(config or {})
-        if not resume and self.directory.exists():
+        if not resume and self.holds_checkpoint():
             raise ValueError(f"{self.directory} holds the checkpoint of an interrupted run; pass resume=True "
                              f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
                              f"Received: resume=False")
@@ -53,6 +53,17 @@ class RunCheckpoint:
         self.epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, completed_epochs=self.epochs)
         self._manager = None
+
+    def holds_checkpoint(self):
+        """Whether the run's folder holds a checkpoint (its record, or TensorFlow's index of one)."""
+        return (self.directory / self.CONFIG).exists() or any(
+            tf.train.latest_checkpoint(str(folder.absolute())) for folder in (self.directory, self.preemption_folder))
+
+    @property
+    def preemption_folder(self):
+        """Where ``PreemptionCheckpointHandler`` keeps the chief's checkpoint: inside the run's folder, so the
+        other workers' temporary folders (beside it) belong to this run alone."""
+        return self.directory / "preemption"
 
     @property
     def _absolute(self):

@@ -552,7 +552,7 @@ def stop_servers(spec_path, *, grace_seconds=5):
                          f"started); refusing to signal anything. Received: keys "
                          f"{sorted(config) if isinstance(config, dict) else type(config).__name__}")
     pids = [pid for job in config["pids"].values() for pid in job]
-    foreign = [pid for pid in pids if _start_time(pid) is not None and not _is_server(pid, config)]
+    foreign = [pid for pid in pids if _running(pid) and not _is_server(pid, config)]
     if foreign:
         raise ValueError(f"{spec_path}: process {foreign[0]} is not a server this spec started (another command "
                          f"line or start time); refusing to signal anything. Received: pids={pids}")
@@ -569,14 +569,21 @@ def stop_servers(spec_path, *, grace_seconds=5):
     return len(running)
 
 
+def _running(pid):
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _is_server(pid, config):
     """Whether ``pid`` is a live server of the spec ``config``: its token on the command line, its start time."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
-    return (status != "Z" and b"keras_cnnpar.cluster" in command and config["token"].encode() in command
+    return (_running(pid) and b"keras_cnnpar.cluster" in command and config["token"].encode() in command
             and _start_time(pid) == config["started"].get(str(pid)))
 
 

@@ -98,6 +98,8 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
 @pytest.mark.parametrize("target", ["launcher", "worker 1"])
 def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, target):
     results = tmp_path / "results"
+    another_run = results / "checkpoints" / "workertemp_1" / "another_run"  # where TF once put worker temps
+    another_run.mkdir(parents=True)
     command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 2 more are to come
@@ -107,8 +109,10 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
                      r"to continue", output)
     checkpoint = results / "checkpoints" / RUN
-    assert (checkpoint / "checkpoint").exists()
-    assert sorted(os.listdir(results / "checkpoints")) == [RUN]  # the other worker's copy is gone
+    assert (checkpoint / "preemption" / "checkpoint").exists() and (checkpoint / "run.json").exists()
+    assert sorted(os.listdir(checkpoint)) == ["preemption", "run.json"]  # worker 1's temporary copy is gone
+    assert another_run.is_dir()  # and no other run's folder went with it
+    another_run.parent.rename(tmp_path / "kept")
     done = epoch_column(results / f"{RUN}.csv")
 
     result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,

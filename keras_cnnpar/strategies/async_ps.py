@@ -300,19 +300,36 @@ def _evaluator(prepared):
 
 
 @functools.cache
-def _in_process_cluster(workers, ps):
-    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this process, once; return their spec."""
-    spec = cluster_lib.local_spec(workers, ps)
+def _in_process_cluster(workers, ps, tries=3):
+    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this process, once; return their spec.
+
+    The ports are chosen free, then bound by TensorFlow, which takes no socket
+    that is already bound; when another process took one in between, the
+    servers start again on fresh ports, ``tries`` times in all.
+    """
+    for attempt in range(1, tries + 1):
+        spec = cluster_lib.local_spec(workers, ps)
+        try:
+            _in_process_cluster.servers = _start_servers(spec, workers)
+            break
+        except (tf.errors.OpError, RuntimeError) as error:
+            if attempt == tries:
+                raise ConnectionError(f"cannot start the in-process cluster: {tries} tries on fresh ports failed; "
+                                      f"the last one: {error}") from None
     ports = [address.rpartition(":")[2] for addresses in spec.values() for address in addresses]
     print(cluster_lib.exposure_warning("in-process cluster", ports), file=sys.stderr, flush=True)
+    return spec
+
+
+def _start_servers(spec, workers):
     cluster_spec = tf.train.ClusterSpec(spec)
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=workers + 1)
-    _in_process_cluster.servers = [
+    return [
         *(tf.distribute.Server(cluster_spec, job_name="worker", task_index=i, config=config, protocol="grpc")
           for i in range(workers)),
-        *(tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, protocol="grpc") for i in range(ps)),
+        *(tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, protocol="grpc")
+          for i in range(len(spec.get("ps", ())))),
     ]
-    return spec
 
 
 @functools.cache

@@ -219,7 +219,7 @@ class _PreemptionCheckpoint:
         self._sigterm = signal.getsignal(signal.SIGTERM)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(  # restores a checkpoint it finds
-            strategy.cluster_resolver, self._run.checkpoint, str(directory), config)
+            strategy.cluster_resolver, self._run.checkpoint, str(self._run.preemption_folder), config)
         self.completed_epochs = self._run.completed_epochs
 
     def _exit(self):
@@ -244,5 +244,6 @@ class _PreemptionCheckpoint:
         signal.signal(signal.SIGTERM, self._sigterm)
 
     def remove(self):
-        """Delete this worker's checkpoint folder once the run completed (the chief's, or a temporary one)."""
-        self._run.remove(None if self.task.is_chief else self.directory.parent / f"workertemp_{self.task.index}")
+        """Delete this worker's checkpoint folder once the run completed: the run's (the chief), or this run's
+        temporary one (``RUN/workertemp_I``), never another run's."""
+        self._run.remove(None if self.task.is_chief else self.directory / f"workertemp_{self.task.index}")
