@@ -19,8 +19,10 @@ Names are imported lazily, so ``import keras_cnnpar`` (and the ``cnnpar`` CLI's
 """
 
 import importlib
+import os
 
 from keras_cnnpar import registry
+from keras_cnnpar.cluster import JOIN_AT_IMPORT
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,12 @@ _SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "runs", "ser
 _DEPRECATED = ("layers",)
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+if os.environ.get(JOIN_AT_IMPORT) == "1" and os.environ.get("TF_CONFIG"):
+    # A worker started by `cnnpar launch` (or set up so on a host): join the cluster before any model exists.
+    importlib.import_module("keras_cnnpar.strategies.multi_worker").joined(
+        timeout=float(os.environ.get("CNNPAR_COLLECTIVE_TIMEOUT", "60")))
 
 
 def __getattr__(name):

@@ -415,6 +415,31 @@ def predict(model_dir, test_csv, out, force):
     click.echo(f"wrote {out} ({rows} predictions)")
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--workers", type=click.IntRange(min=1), required=True, help="Worker processes to start.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def launch(workers, command):
+    """Run any training script once per worker on this machine under MultiWorker, as torchrun does.
+
+    \b
+      cnnpar launch --workers 2 -- python train.py --epochs 3
+
+    Each process gets its own TF_CONFIG on loopback (in a private network
+    namespace where the user may make one) and joins the cluster when it
+    imports keras_cnnpar, so the script may build its model first and call
+    model.fit(..., strategy="multi-worker") later. The chief's output is
+    streamed; a failing worker fails the command, naming it; SIGTERM and
+    Ctrl-C are passed on. The same script runs on several hosts with
+    TF_CONFIG and CNNPAR_MULTI_WORKER=1 set on each.
+    """
+    from keras_cnnpar import cluster
+
+    command = [sys.executable if command[0] in ("python", "python3") else command[0], *command[1:]]
+    code = cluster.launch(command, workers, env={cluster.JOIN_AT_IMPORT: "1"})
+    if code:
+        sys.exit(code)
+
+
 @main.group("cluster")
 def cluster_group():
     """Start and stop TensorFlow server processes for --strategy async-ps on this machine."""

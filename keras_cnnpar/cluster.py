@@ -43,6 +43,10 @@ from pathlib import Path
 from keras_cnnpar import runs, startup
 from keras_cnnpar.subprocesses import python_command
 
+#: Set to 1 by ``cnnpar launch`` in every worker's environment: ``import keras_cnnpar`` then joins the cluster
+#: of ``TF_CONFIG`` at once, before any model exists, so a script may build its model first and call
+#: ``fit(strategy="multi-worker")`` later. On several hosts, set it beside ``TF_CONFIG``.
+JOIN_AT_IMPORT = "CNNPAR_MULTI_WORKER"
 #: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
 PREEMPTED_EXIT_CODE = 42
 _PR_SET_PDEATHSIG = 1
@@ -80,8 +84,9 @@ class Task:
         if config is None:
             if not os.environ.get("TF_CONFIG"):
                 raise ValueError("no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass "
-                                 "cluster=<dict or JSON file>, or run `cnnpar train --strategy multi-worker "
-                                 "--workers N` to start N workers on this machine. Received: TF_CONFIG=''")
+                                 "cluster=<dict or JSON file>, or start N workers on this machine with `cnnpar "
+                                 "launch --workers N python your_script.py` (or `cnnpar train --strategy "
+                                 "multi-worker --workers N`). Received: TF_CONFIG=''")
             config = _json(os.environ["TF_CONFIG"], "TF_CONFIG")
         elif isinstance(config, (str, Path)):
             source, config = str(config), _json_file(config)
@@ -228,7 +233,7 @@ def _answers(address):
         return False
 
 
-def launch(command, workers):
+def launch(command, workers, env=None):
     """Run ``command`` (an argv list) once per worker on this machine, as ``torchrun`` does; return the exit code.
 
     Where Linux lets an ordinary user make namespaces (``unshare --user --net``),
@@ -239,12 +244,14 @@ def launch(command, workers):
     A failure prints ``Error: worker I ...`` and returns that worker's exit code
     (1 for a signal); SIGTERM and SIGINT are passed on (see
     :func:`run_local_workers`), and a second SIGINT kills every worker.
+    ``env`` adds variables to the workers' environment.
     """
     if not private_network_available():
         print(exposure_warning("local workers"), file=sys.stderr, flush=True)
-        return _run_and_report(command, workers)
+        return _run_and_report(command, workers, env=env)
     inner = python_command("-m", "keras_cnnpar.cluster", "workers", "--workers", str(workers), "--", *command)
-    process = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--", *inner])
+    process = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--", *inner],
+                               env={**os.environ, **(env or {})})
     forward = _forward_signals([process])
     try:
         code = process.wait()
@@ -256,9 +263,9 @@ def launch(command, workers):
     return code if code >= 0 else 1
 
 
-def _run_and_report(command, workers, parent=None):
+def _run_and_report(command, workers, parent=None, env=None):
     try:
-        run_local_workers(command, workers, parent=parent)
+        run_local_workers(command, workers, parent=parent, env=env)
     except WorkerFailed as failure:
         print(f"Error: {failure}", file=sys.stderr, flush=True)
         return failure.returncode if failure.returncode > 0 else 1
@@ -292,7 +299,7 @@ def _loopback_up():
         fcntl.ioctl(handle, siocsifflags, struct.pack("16sH14s", b"lo", flags | iff_up, b""))
 
 
-def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_seconds=120, parent=None):
+def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_seconds=120, parent=None, env=None):
     """Run ``command`` (an argv list) once per worker on loopback; raise ``WorkerFailed`` on failure.
 
     Each process gets its own ``TF_CONFIG`` and its share of the cores for
@@ -313,7 +320,7 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
         forward = _forward_signals(processes)
         try:
             for index in range(workers):
-                processes.append(_start_worker(command, Task(spec, "worker", index), logs))
+                processes.append(_start_worker(command, Task(spec, "worker", index), logs, env))
             failed = _wait_for_failure(processes, poll_seconds, parent)
             if failed is not None and processes[failed].returncode == PREEMPTED_EXIT_CODE:
                 _wait_all(processes, preemption_grace_seconds)
@@ -327,8 +334,9 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
             raise WorkerFailed(failed, processes[failed].returncode, _tail(Path(logs) / f"worker{failed}.log"))
 
 
-def _start_worker(command, task, logs):
-    env = {**_thread_share(task.num_workers), **os.environ, "TF_CONFIG": json.dumps(task.tf_config())}
+def _start_worker(command, task, logs, extra_env=None):
+    env = {**_thread_share(task.num_workers), **os.environ, **(extra_env or {}),
+           "TF_CONFIG": json.dumps(task.tf_config())}
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,

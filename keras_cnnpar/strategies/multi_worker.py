@@ -1,6 +1,7 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
 import faulthandler
+import json
 import re
 import signal
 import sys
@@ -90,7 +91,7 @@ class MultiWorker(CheckpointedStrategy):
         self.task = cluster_lib.Task.parse(cluster)
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)
-        self._strategy = _join_cluster(self.task, self.timeout)
+        self._strategy = joined(self.task, self.timeout)
 
     @property
     def devices(self):
@@ -153,6 +154,21 @@ class MultiWorker(CheckpointedStrategy):
                 self.run_checkpoint.stop_watching()
 
 
+_JOINED = {}
+
+
+def joined(task=None, timeout=60):
+    """The ``MultiWorkerMirroredStrategy`` of ``task`` (default: ``TF_CONFIG``'s), joining its cluster once per
+    process. ``import keras_cnnpar`` calls it when ``cnnpar launch`` started the process, so the cluster is
+    joined before any model exists; a later ``MultiWorker()`` of the same task gets the same strategy (and the
+    collective timeout it was joined with)."""
+    task = task or cluster_lib.Task.parse()
+    key = json.dumps(task.tf_config(), sort_keys=True)
+    if key not in _JOINED:
+        _JOINED[key] = _join_cluster(task, timeout)
+    return _JOINED[key]
+
+
 def _join_cluster(task, timeout):
     """Start this task's gRPC server and join the cluster; return the ``MultiWorkerMirroredStrategy``.
 
@@ -170,8 +186,10 @@ def _join_cluster(task, timeout):
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
     except RuntimeError as error:
         raise RuntimeError(
-            f"cannot join the cluster: {error}. Create cnnpar.MultiWorker() at the top of your program, before "
-            f"building any model or tensor (the `cnnpar` CLI does this for you).") from None
+            f"cannot join the cluster: {error}. TensorFlow joins a cluster only before its runtime starts: start "
+            f"the program with `cnnpar launch --workers N` (on several hosts: {cluster_lib.JOIN_AT_IMPORT}=1 "
+            f"beside TF_CONFIG), which joins when keras_cnnpar is imported, or create cnnpar.MultiWorker() before "
+            f"building any model or tensor.") from None
     finally:
         faulthandler.cancel_dump_traceback_later()
 
