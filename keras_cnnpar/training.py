@@ -74,6 +74,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     if strategy.keeps_checkpoints:
         strategy.run_config = _run_config(model, strategy, batch_size, x if isinstance(x, tf.data.Dataset) else y)
     prepared = strategy.prepare(model)
+    _fit_whole_chunks(prepared, fit_kwargs.get("steps_per_epoch"))
     initial_epoch = strategy.resume_epoch(initial_epoch)
     if strategy.keeps_checkpoints and strategy.resume and strategy.run_checkpoint and initial_epoch >= epochs:
         raise ValueError(f"{strategy.run_checkpoint.directory} already holds all {epochs} requested epochs "
@@ -134,6 +135,14 @@ def parallel(model):
 
     model.fit = fit_with_strategy
     return model
+
+
+def _fit_whole_chunks(prepared, steps_per_epoch):
+    """Make Keras's ``steps_per_execution`` divide a user's ``steps_per_epoch``: Keras runs whole chunks of
+    steps on an infinite dataset, so 8 per call would make an epoch of 3 steps take 8."""
+    chunk = getattr(prepared, "steps_per_execution", 1) or 1
+    if steps_per_epoch and chunk > 1 and steps_per_epoch % chunk:
+        prepared.steps_per_execution = math.gcd(steps_per_epoch, chunk)
 
 
 def _run_config(model, strategy, batch_size, labels):
