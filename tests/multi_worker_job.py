@@ -4,6 +4,8 @@ Modes:
 
 - ``step``: one SGD step of the small test CNN on 64 fixed digits under
   ``MultiWorker``; every worker saves its weights to ``OUT.<index>.npz``.
+- ``accumulate``: the same 64 digits as 2 micro-batches of 32 under
+  ``MultiWorker(accumulate=2)``: one update, one gradient sync.
 - ``shards``: every worker writes the example indices its slices of the batches
   held, over two epochs of a shuffled pipeline, to ``OUT.<index>.json``.
 """
@@ -21,12 +23,12 @@ import keras_cnnpar as cnnpar
 SHARD_EXAMPLES, SHARD_BATCH, EPOCHS = 48, 8, 2
 
 
-def one_step(strategy, out):
+def one_step(strategy, out, batch_size=64):
     from helpers import build_small_cnn
 
     digits = cnnpar.data.load()
     model = build_small_cnn(seed=1)
-    cnnpar.fit(model, digits.x[::78][:64], digits.y[::78][:64], strategy=strategy, batch_size=64, epochs=1,
+    cnnpar.fit(model, digits.x[::78][:64], digits.y[::78][:64], strategy=strategy, batch_size=batch_size, epochs=1,
                shuffle=False, verbose=0, results_dir=None)
     np.savez(f"{out}.{strategy.task.index}.npz", *model.get_weights())
 
@@ -49,5 +51,7 @@ def local_slice(strategy, batch):
 
 if __name__ == "__main__":
     mode, out = sys.argv[1:3]
-    worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30)  # first: join the cluster before TF starts
-    {"step": one_step, "shards": shards}[mode](worker, out)
+    # First: join the cluster before TensorFlow starts.
+    worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=2 if mode == "accumulate" else 1)
+    {"step": one_step, "accumulate": lambda strategy, out: one_step(strategy, out, batch_size=32),
+     "shards": shards}[mode](worker, out)

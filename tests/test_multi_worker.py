@@ -50,8 +50,9 @@ def cnnpar_train(*args):
     return [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "multi-worker", "--verbose", "2", *args]
 
 
-def test_one_sgd_step_matches_data_parallel_within_1e_5(tmp_path, digits):
-    out = run_job("step", tmp_path)
+@pytest.mark.parametrize("mode", ["step", "accumulate"])  # accumulate: 2 micro-batches of 32, one update
+def test_one_sgd_step_matches_data_parallel_within_1e_5(tmp_path, digits, mode):
+    out = run_job(mode, tmp_path)
     reference = build_small_cnn(seed=1)
     cnnpar.fit(reference, digits.x[::78][:64], digits.y[::78][:64], strategy=cnnpar.DataParallel(2),
                batch_size=64, epochs=1, shuffle=False, verbose=0, results_dir=None)
@@ -98,9 +99,12 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
 @pytest.mark.parametrize("target", ["launcher", "worker 1"])
 def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, target):
     results = tmp_path / "results"
-    another_run = results / "checkpoints" / "workertemp_1" / "another_run"  # where TF once put worker temps
+    # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
+    folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
+    another_run = folder / "workertemp_1" / "another_run"  # where TensorFlow would put a worker's temporary copy
     another_run.mkdir(parents=True)
-    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results")
+    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results",
+                           *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 2 more are to come
         os.kill(launcher.pid if target == "launcher" else worker_pid(launcher, 1), signal.SIGTERM)
@@ -108,7 +112,7 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
                      r"to continue", output)
-    checkpoint = results / "checkpoints" / RUN
+    checkpoint = folder / RUN
     assert (checkpoint / "preemption" / "checkpoint").exists() and (checkpoint / "run.json").exists()
     assert sorted(os.listdir(checkpoint)) == ["preemption", "run.json"]  # worker 1's temporary copy is gone
     assert another_run.is_dir()  # and no other run's folder went with it
@@ -119,9 +123,9 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
-    assert f"layout resumed from results/checkpoints/{RUN} after epoch {done[-1]}" in \
-        (results / "results.log").read_text()
-    assert not (results / "checkpoints").exists()
+    shown = f"results/checkpoints/{RUN}" if target == "launcher" else str(checkpoint)
+    assert f"layout resumed from {shown} after epoch {done[-1]}" in (results / "results.log").read_text()
+    assert not folder.exists() and not (results / "checkpoints").exists()
 
 
 def test_an_existing_checkpoint_needs_resume(tmp_path):

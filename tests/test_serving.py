@@ -163,3 +163,10 @@ def test_predict_refuses_to_overwrite_a_file_without_force(exported, tmp_path):
     forced = run("predict", "--model-dir", target, "--test", test_csv, "--out", out, "--force")
     assert forced.exit_code == 0, forced.output
     assert out.read_text().splitlines()[0] == "ImageId,Label"
+
+
+def test_the_librarys_subprocesses_ignore_modules_in_the_current_folder(trained, tmp_path, monkeypatch):
+    (tmp_path / "numpy.py").write_text("raise ImportError('numpy.py of the current folder imported')\n")
+    monkeypatch.chdir(tmp_path)
+    target = serving.export(trained["single"], tmp_path / "digits")  # verified in a fresh `python -P` process
+    assert (target / "saved_model.pb").exists()

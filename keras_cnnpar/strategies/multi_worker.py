@@ -49,18 +49,21 @@ class MultiWorker(CheckpointedStrategy):
     step with the weights saved at preemption. A worker that dies makes the
     others fail after ``timeout`` seconds instead of waiting forever.
 
-    Create the strategy at the top of the program: TensorFlow must join the
-    cluster before it starts its runtime. On one machine,
-    ``cnnpar train --strategy multi-worker --workers 2`` starts the processes.
+    TensorFlow joins a cluster only before it starts its runtime. Start the
+    program with ``cnnpar launch --workers N -- python script.py`` (on several
+    hosts: ``CNNPAR_MULTI_WORKER=1`` beside ``TF_CONFIG``): ``import
+    keras_cnnpar`` then joins at once, and the script may build its model
+    before ``fit(strategy="multi-worker")``. Otherwise create the strategy
+    before any model or tensor. ``cnnpar train --strategy multi-worker
+    --workers 2`` runs the CLI's own training that way.
 
-    Example (in each worker process, with ``TF_CONFIG`` set):
+    Example (a script run by ``cnnpar launch --workers 2 -- python script.py``):
 
-    >>> import keras_cnnpar as cnnpar
-    >>> strategy = cnnpar.MultiWorker()          # doctest: +SKIP
-    >>> model = cnnpar.models.cnn("2+2")          # doctest: +SKIP
-    >>> digits = cnnpar.data.load()               # doctest: +SKIP
+    >>> import keras_cnnpar as cnnpar                # joins the cluster here
+    >>> model = cnnpar.models.cnn("2+2")              # doctest: +SKIP
+    >>> digits = cnnpar.data.load()                   # doctest: +SKIP
     >>> history = model.fit(digits.x, digits.y, batch_size=64, epochs=3,
-    ...                     strategy=strategy)    # doctest: +SKIP
+    ...                     strategy="multi-worker")  # doctest: +SKIP
 
     Args:
         cluster: None reads ``TF_CONFIG``; else a ``TF_CONFIG``-style dict or the
