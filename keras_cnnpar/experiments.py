@@ -1,7 +1,8 @@
 """Sweeps over models x strategies x device counts, and the report that reads their results back.
 
 The original protocol: every configuration gets its own CSV; speedup is T1/TN
-against the same model's Single run; efficiency is speedup / N, and below 80%
+against the same model's Single run at the same global batch (the rule of
+``runs.csv``, in :mod:`keras_cnnpar.runs`); efficiency is speedup / N, and below 80%
 means: check the input pipeline and the gradient sync before trusting the
 figures; parity is checked first.
 
