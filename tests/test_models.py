@@ -51,10 +51,10 @@ def test_parallel_rejects_what_is_not_a_keras_model():
         cnnpar.parallel("model")
 
 
-def test_fit_without_strategy_is_plain_keras_fit_and_writes_no_logs(digits, tmp_path, monkeypatch):
+def test_fit_without_strategy_is_plain_keras_fit_and_writes_no_logs(few_digits, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = models.cnn("3+3")
-    history = model.fit(digits.x[:128], digits.y[:128], batch_size=64, epochs=1, verbose=0)
+    history = model.fit(few_digits[0][:128], few_digits[1][:128], batch_size=64, epochs=1, verbose=0)
     assert history.epoch == [0]
     assert list(tmp_path.iterdir()) == []
 
