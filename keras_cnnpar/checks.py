@@ -5,7 +5,7 @@ gradient difference near 1e-6 is float noise, one near 1e-2 is a bug. These
 callbacks make the checks part of a run (``cnnpar train --checks``, and every
 run of ``cnnpar sweep``). Each measures before training starts and adds its
 figures to every epoch's logs, so they land in the run's CSV; put them before
-``RunLogger`` (``cnnpar.fit`` adds that last).
+``EpochLogger`` (``cnnpar.fit`` adds it last, with the ``RunRecorder``).
 
 Example:
 

@@ -25,9 +25,8 @@ import importlib
 from pathlib import Path
 
 STRATEGIES = Path(__file__).parent / "strategies"
-#: Class attributes a strategy declares, with the defaults of the base ``Strategy``.
-FACTS = {"description": "", "min_devices": 1, "max_devices": None, "device_multiple": 1, "device_option": "devices",
-         "keeps_checkpoints": False}
+#: Class attributes a strategy declares; the base ``Strategy`` (in ``strategies/base.py``) sets their defaults.
+FACTS = ("description", "min_devices", "max_devices", "device_multiple", "device_option", "keeps_checkpoints")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +90,7 @@ def _entries():
     for name, (module, node) in classes.items():
         alias = _registered_alias(node)
         if alias is not None:
-            facts = {key: _fact(classes, node, key, default) for key, default in FACTS.items()}
+            facts = {key: _fact(classes, node, key) for key in FACTS}
             found[alias] = Entry(alias, module, name, _options(classes, node), **facts)
     return found
 
@@ -111,9 +110,9 @@ def _chain(classes, node):
         node = classes[bases[0]][1] if bases else None
 
 
-def _fact(classes, node, key, default):
+def _fact(classes, node, key):
     """The value that ``node`` (or its nearest base that sets it) assigns to ``key``, as ``key = value`` or
-    within ``a, key = 1, value``."""
+    within ``a, key = 1, value``; every strategy inherits one from ``Strategy``."""
     for cls in _chain(classes, node):
         for statement in cls.body:
             if not isinstance(statement, ast.Assign):
@@ -123,7 +122,7 @@ def _fact(classes, node, key, default):
                 if key in names:
                     value = ast.literal_eval(statement.value)
                     return value[names.index(key)] if isinstance(target, ast.Tuple) else value
-    return default
+    raise ValueError(f"strategy class {node.name} declares no {key}, and no base class sets it")
 
 
 def _options(classes, node):

@@ -146,15 +146,19 @@ def suite_processes():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if mark in (entry / "environ").read_bytes().split(b"\0") and not _zombie(entry):
+            if mark in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
                 alive.append(int(entry.name))
         except OSError:
             continue
     return alive
 
 
-def _zombie(entry):
-    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+def alive(pid):
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def worker_envs(workers=2):

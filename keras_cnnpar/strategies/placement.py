@@ -228,7 +228,7 @@ class StageTimes(keras.callbacks.Callback):
     """Adds ``bubble_fraction`` and each stage's measured seconds per micro-batch to the epoch logs.
 
     Before training it times forward and backward of every stage alone on one
-    micro-batch of the first batch. It must come before ``RunLogger``, which
+    micro-batch of the first batch. It must come before ``EpochLogger``, which
     writes what the logs hold; ``LayerPlacement.fit`` puts it first.
     """
 
