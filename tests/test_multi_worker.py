@@ -285,6 +285,6 @@ def test_no_worker_outlives_its_launcher(tmp_path, small_csv, sig):
         workers = [worker_pid(launcher, index) for index in (0, 1)]
         os.kill(launcher.pid, sig)  # a closed terminal, or the launcher killed outright
         deadline = time.monotonic() + 30
-        while (alive := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
+        while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert alive == [], f"workers {alive} outlived their launcher"
+        assert left == [], f"workers {left} outlived their launcher"
