@@ -288,3 +288,43 @@ def test_no_worker_outlives_its_launcher(tmp_path, small_csv, sig):
         while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], f"workers {left} outlived their launcher"
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "launch_any_script.py"
+LAUNCHED = "launched_cnn_keras_tensorflow_multi-worker_2dev"
+
+
+def cnnpar_launch(*script_args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", "launch", "--workers", "2", "--", "python", str(EXAMPLE),
+            "--examples", "640", "--results", "results", *script_args]
+
+
+def test_launch_runs_a_users_script_that_builds_its_model_first_and_only_the_chief_writes(tmp_path):
+    result = subprocess.run(cnnpar_launch("--epochs", "2"), cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
+    assert (run["model"], run["strategy"], run["devices"], run["epochs"]) == ("launched_cnn", "multi-worker", "2", "2")
+    assert float(run["val_accuracy"]) > 0.5
+    assert epoch_column(tmp_path / "results" / f"{LAUNCHED}.csv") == [1, 2]
+    assert result.stdout.count("final validation accuracy") == 1  # the chief's output only
+
+
+def test_launch_names_a_killed_worker_within_a_minute(tmp_path):
+    with processes([cnnpar_launch("--epochs", "200")], tmp_path, [ENV]) as (launcher,):
+        wait_for_epoch_rows(tmp_path / "results" / f"{LAUNCHED}.csv", 1, launcher)
+        os.kill(worker_pid(launcher, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        output = launcher.communicate(timeout=90)[0]
+    assert launcher.returncode == 1 and time.monotonic() - killed < 60
+    assert "Error: worker 1 was killed by SIGKILL; its last output:" in output
+
+
+def test_a_script_started_without_the_launcher_is_told_how(tmp_path):
+    env = {key: value for key, value in ENV.items() if key != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "1"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass cluster=<dict or JSON file>, or " \
+           "start N workers on this machine with `cnnpar launch --workers N python your_script.py`" in \
+           " ".join(result.stderr.split())
