@@ -33,8 +33,8 @@ _EXPORTS = {
     "Strategy": "keras_cnnpar.strategies",
     **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries()},
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "models", "runs", "serving", "sharded", "strategies",
-               "training")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "fused", "models", "runs", "serving", "sharded",
+               "strategies", "training")
 #: Old names of submodules, still importable with a deprecation warning.
 _DEPRECATED = ("layers",)
 

@@ -18,9 +18,11 @@ True
 import keras
 from keras import tree
 
+from keras_cnnpar import fused
+
 
 def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model,
-            precision="float32"):
+            precision="float32", fused_optimizer=False):
     """Return a compiled copy of ``model`` built inside ``scope``, holding its weights and state.
 
     Args:
@@ -30,6 +32,7 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         steps_per_execution: overrides the compiled value when given.
         clone: makes the uncompiled copy; its weights must come in ``model``'s order.
         precision: the Keras dtype policy the copy computes in (see :func:`set_precision`).
+        fused_optimizer: apply the copy's updates with TensorFlow's fused kernels (see :mod:`keras_cnnpar.fused`).
     """
     config = model.get_compile_config()
     config["optimizer"] = _scaled_optimizer(model.optimizer, lr_factor)
@@ -39,6 +42,10 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         copy = clone(model)
         set_precision(copy, precision)
         copy.compile_from_config(config)  # under mixed_float16, Keras wraps the optimizer in a LossScaleOptimizer
+        if not copy.optimizer.built and copy.trainable_variables:
+            copy.optimizer.build(copy.trainable_variables)  # now, eagerly: each slot on its variable's device
+    if fused_optimizer:
+        fused.fuse(copy.optimizer)
     copy_state(model, copy)
     return copy
 

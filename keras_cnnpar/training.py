@@ -26,7 +26,7 @@ from keras_cnnpar import data as data_lib
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
         validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0, resume=False,
-        precision="float32", **fit_kwargs):
+        precision="float32", fused_optimizer=True, **fit_kwargs):
     """Train ``model`` under ``strategy`` and return a Keras ``History``, as ``model.fit`` does.
 
     The model is rebuilt for the strategy (weights, optimizer config and state,
@@ -50,6 +50,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             optimizer state stay float32, the output layer computes in float32, float16 gets loss
             scaling). The user's model stays float32, so its exports take and return float32.
             It is an argument of ``fit``, not of a strategy: it means the same under every one.
+        fused_optimizer: apply the optimizer's updates with TensorFlow's fused kernels (``ResourceApplyAdam``
+            and kin; see ``cnnpar.fused``), with Keras's results; False keeps Keras's element-wise update,
+            for comparison. The tensor-parallel strategies always use their own mesh optimizer.
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         epochs, validation_data, validation_split, shuffle, callbacks, initial_epoch,
@@ -63,9 +66,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
                              f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
         strategy.resume = True
     strategy.precision = arguments.precision(precision)
+    strategy.fused_optimizer = bool(fused_optimizer)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
-                                                strategy)
+                                                strategy, given_steps=fit_kwargs)
     if samples is not None and fit_kwargs.get("steps_per_epoch"):
         samples = fit_kwargs["steps_per_epoch"] * batch_size
     fit_kwargs = {**steps, **fit_kwargs}
@@ -169,11 +173,13 @@ def _check_model(model):
                          f"before fit. Received: model.compiled=False")
 
 
-def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy):
+def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=()):
     """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
 
     Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
     the ``steps_per_epoch`` / ``validation_steps`` that go with repeated ones.
+    A user's datasets are repeated (:func:`_repeated`) unless ``given_steps``
+    (the user's ``fit`` options) already sets their steps.
     """
     if isinstance(x, tf.data.Dataset):
         if batch_size is not None or y is not None or validation_split:
@@ -183,7 +189,14 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
             raise ValueError("with a tf.data.Dataset as x, give validation_data as a dataset too. "
                              f"Received: validation_data of type {type(validation_data).__name__}")
-        return x, validation_data, {}, None
+        train, steps = x, None
+        if "steps_per_epoch" not in given_steps:
+            train, steps = _repeated(x, strategy.steps_per_execution)
+        validation, validation_steps = validation_data, None
+        if "validation_steps" not in given_steps:
+            validation, validation_steps = _repeated(validation_data, strategy.steps_per_execution)
+        steps = {"steps_per_epoch": steps, "validation_steps": validation_steps}
+        return train, validation, {k: v for k, v in steps.items() if v is not None}, None
     x, y = np.asarray(x), np.asarray(y)
     if len(x) != len(y):
         raise ValueError(f"x and y must hold the same number of examples. Received: len(x)={len(x)}, len(y)={len(y)}")
@@ -203,6 +216,22 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size,
                                                                strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
+
+
+def _repeated(dataset, steps_per_execution):
+    """A user's finite ``dataset`` repeated, with its batches per pass; as given, with None, if that cannot be.
+
+    One iterator then serves every epoch, as for numpy inputs (see :func:`_epoch_dataset`),
+    which spares ``MirroredStrategy`` a fresh distributed iterator per epoch. A dataset of
+    unknown or infinite length, or whose length ``steps_per_execution`` does not divide,
+    stays as it is.
+    """
+    if dataset is None:
+        return None, None
+    batches = int(dataset.cardinality())
+    if batches <= 0 or batches % steps_per_execution:
+        return dataset, None
+    return dataset.repeat(), batches
 
 
 def _epoch_dataset(x, y, batch_size, steps_per_execution, *, shuffle=False, seed=None):

@@ -112,6 +112,8 @@ class Strategy:
     shuffle_seed = None
     #: The Keras dtype policy the prepared model computes in; ``cnnpar.fit(precision=...)`` sets it.
     precision = "float32"
+    #: Whether the prepared model's optimizer uses TensorFlow's fused kernels; ``cnnpar.fit(fused_optimizer=...)``.
+    fused_optimizer = True
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
@@ -153,6 +155,7 @@ class Strategy:
         """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                steps_per_execution=self.steps_per_execution, precision=self.precision,
+                               fused_optimizer=self.fused_optimizer,
                                clone=accumulation.wrap(keras.models.clone_model, self.accumulate))
 
     def fit(self, prepared, train, **fit_kwargs):

@@ -84,7 +84,7 @@ class LayerPlacement(Strategy):
             return placed if self.microbatches == 1 else _MicroBatched(placed, self.microbatches)
 
         return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone,
-                               precision=self.precision)
+                               precision=self.precision, fused_optimizer=self.fused_optimizer)
 
     def report(self):
         """The stage table (stage, device, layers, parameters, bytes, estimated MFLOP per image, share)."""

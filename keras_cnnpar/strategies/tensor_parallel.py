@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_cnnpar import arguments, rebuild, sharded
+from keras_cnnpar import arguments, fused, rebuild, sharded
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
 from keras_cnnpar.strategies import loop
@@ -85,7 +85,7 @@ class ChannelSharded(Strategy):
         prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
         compute_dtype = "bfloat16" if self.precision == "mixed_bfloat16" else "float32"
         self.sharded = sharded.ShardedSequential(prepared, self.mesh(), compute_dtype)
-        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights)
+        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights, fused=self.fused_optimizer)
         if prepared.optimizer.built:
             self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
         self.loss = keras.losses.get(prepared.get_compile_config()["loss"])
@@ -229,7 +229,10 @@ class _MeshOptimizer:
     Its state (``iterations``, then each variable's slots in Keras's order)
     moves to and from the Keras optimizer, so training continues across
     strategies. The learning rate is read from the Keras optimizer every
-    epoch, so schedules set by callbacks apply.
+    epoch, so schedules set by callbacks apply. With ``fused`` the updates
+    run as TensorFlow's fused kernels (``ResourceApplyAdam``,
+    ``ResourceApplyKerasMomentum``), which DTensor runs on each device's
+    shard of a DVariable, with Keras's results (see ``cnnpar.fused``).
     """
 
     SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity")}
@@ -238,12 +241,12 @@ class _MeshOptimizer:
         "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
         "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
 
-    def __init__(self, optimizer, variables):
+    def __init__(self, optimizer, variables, fused=True):
         kind = type(optimizer).__name__
         if kind not in self.SLOTS:
             raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
                              f"Received: optimizer={kind}")
-        self.kind, self.config = kind, optimizer.get_config()
+        self.kind, self.config, self.fused = kind, optimizer.get_config(), fused
         for key, default in self.DEFAULTS.items():
             if self.config.get(key, default) != default:
                 raise ValueError(f"tensor-parallel training does not implement {kind}'s {key}; leave it at "
@@ -284,6 +287,11 @@ class _MeshOptimizer:
             variable.assign_sub(gradient * learning_rate)
             return
         momentum = self.config["momentum"]
+        if self.fused:
+            tf.raw_ops.ResourceApplyKerasMomentum(var=variable.handle, accum=slots["momentum"].handle,
+                                                  lr=learning_rate, grad=gradient, momentum=self._scalar(momentum),
+                                                  use_nesterov=self.config["nesterov"])
+            return
         m = slots["momentum"] * momentum - gradient * learning_rate
         slots["momentum"].assign(m)
         variable.assign_add(m * momentum - gradient * learning_rate if self.config["nesterov"] else m)
@@ -291,9 +299,21 @@ class _MeshOptimizer:
     def _adam(self, gradient, variable, slots, learning_rate, iterations):
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
         step = tf.cast(iterations + 1, tf.float32)
+        if self.fused:
+            lr = learning_rate * fused.second_moment_correction(beta_2, tf.float32)
+            tf.raw_ops.ResourceApplyAdam(
+                var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
+                beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step), lr=lr,
+                beta1=self._scalar(beta_1), beta2=self._scalar(beta_2), epsilon=self._scalar(self.config["epsilon"]),
+                grad=gradient)
+            return
         alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
         m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
         v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
         slots["momentum"].assign(m)
         slots["velocity"].assign(v)
         variable.assign_sub(m * alpha / (tf.sqrt(v) + self.config["epsilon"]))
+
+    def _scalar(self, value):
+        """A float32 hyperparameter as a replicated scalar on the mesh, as the kernels take it."""
+        return to_mesh(np.float32(value), self.scalar)

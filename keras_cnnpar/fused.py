@@ -1,0 +1,157 @@
+"""TensorFlow's fused optimizer kernels behind Keras 3 optimizers.
+
+Keras 3 writes each optimizer's update as a chain of element-wise ops, each a
+full pass over the variable's memory. TensorFlow has one kernel per update rule
+(``ResourceApplyAdam`` and kin), which tf-keras 2 used. :func:`fuse` makes a
+Keras optimizer apply its update through that kernel. Only ``update_step``
+changes: gradient clipping, weight decay, gradient accumulation, EMA and
+learning-rate schedules run around it as before, and the slots stay the Keras
+optimizer's own variables, in its order, so its state moves to and from the
+user's optimizer unchanged. The kernels run wherever the variable lives (on
+every replica under ``MirroredStrategy``, on the parameter servers under
+``ParameterServerStrategy``).
+
+Optimizers, and the kernels they get:
+
+- ``Adam`` and ``AdamW`` (weight decay runs before the kernel, as in Keras):
+  ``ResourceApplyAdam``, or ``ResourceApplyAdamWithAmsgrad`` with ``amsgrad``;
+- ``SGD``: ``ResourceApplyGradientDescent``, or with momentum (and Nesterov)
+  ``ResourceApplyKerasMomentum``;
+- ``RMSprop`` with momentum: ``ResourceApplyRMSProp``, or
+  ``ResourceApplyCenteredRMSProp`` when ``centered``;
+- ``Adagrad``: ``ResourceApplyAdagradV2``, with Keras's epsilon (added under the
+  square root, where the kernel adds it outside) folded into the accumulator
+  for the duration of the kernel.
+
+Anything else keeps Keras's update: other optimizers, subclasses that override
+``update_step``, ``RMSprop`` without momentum (every TensorFlow RMSProp kernel
+keeps a momentum slot, which that Keras optimizer does not have), and variables
+that are not float32/float64 resource variables.
+
+The kernels take their hyperparameters in the variable's dtype, so they form
+``1 - beta`` from float32 ``beta`` where Keras uses Python's double: for Adam's
+``beta_2=0.999`` the second moment moves by 0.99998713e-3 of each step instead
+of 1.0000000e-3, so it ends 1.3e-5 (relative) below Keras's, as in tf-keras 2.
+The learning rate given to the kernel is corrected for it, so the weights, and
+the other slots, agree with Keras's update to float32 rounding (1e-6).
+
+>>> import keras, numpy as np
+>>> optimizer = keras.optimizers.Adam(0.01)
+>>> fuse(optimizer)
+True
+>>> variable = keras.Variable(np.ones(3, "float32"))
+>>> optimizer.apply([np.full(3, 0.5, "float32")], [variable])
+>>> variable.numpy().round(4)
+array([0.99, 0.99, 0.99], dtype=float32)
+>>> fuse(keras.optimizers.Lion())
+False
+"""
+
+import functools
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def fuse(optimizer):
+    """Make ``optimizer`` apply its updates with a fused TensorFlow kernel; return whether it does.
+
+    A ``LossScaleOptimizer`` (mixed_float16) has its inner optimizer fused.
+    False means the optimizer keeps Keras's update (see the module's list).
+    """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    kernel = _kernel(optimizer)
+    if kernel is None:
+        return False
+    optimizer.update_step = functools.partial(_fused_update, kernel, optimizer, optimizer.update_step)
+    return True
+
+
+def _kernel(optimizer):
+    """The fused update function for ``optimizer``'s rule and options, or None."""
+    if isinstance(optimizer, keras.optimizers.RMSprop) and not optimizer.momentum:
+        return None  # every TensorFlow RMSProp kernel keeps a momentum slot, which this optimizer lacks
+    for keras_class, kernel in _KERNELS.items():
+        if type(optimizer).update_step is keras_class.update_step:
+            return kernel
+    return None
+
+
+def _fused_update(kernel, optimizer, keras_update, gradient, variable, learning_rate):
+    """``update_step`` through ``kernel``; Keras's own where the kernel cannot take the variable or gradient."""
+    dtype = variable.dtype
+    if dtype not in (tf.float32, tf.float64) or not hasattr(variable, "handle") or isinstance(
+            gradient, tf.IndexedSlices):
+        return keras_update(gradient, variable, learning_rate)
+    return kernel(optimizer, optimizer._get_variable_index(variable), variable.handle, tf.cast(gradient, dtype),
+                  tf.cast(learning_rate, dtype), dtype)
+
+
+def _handle(slot):
+    """The resource handle of a Keras slot variable (on this replica, inside a distributed update)."""
+    return slot.value.handle
+
+
+def _adam(optimizer, index, var, grad, lr, dtype):
+    beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
+    step = tf.cast(optimizer.iterations + 1, dtype)
+    lr = lr * second_moment_correction(optimizer.beta_2, dtype)
+    arguments = {"var": var, "m": _handle(optimizer._momentums[index]), "v": _handle(optimizer._velocities[index]),
+                 "beta1_power": tf.pow(beta_1, step), "beta2_power": tf.pow(beta_2, step), "lr": lr,
+                 "beta1": beta_1, "beta2": beta_2, "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad}
+    if optimizer.amsgrad:
+        return tf.raw_ops.ResourceApplyAdamWithAmsgrad(vhat=_handle(optimizer._velocity_hats[index]), **arguments)
+    return tf.raw_ops.ResourceApplyAdam(**arguments)
+
+
+def second_moment_correction(beta_2, dtype):
+    """The learning-rate factor that makes the kernel's Adam step Keras's, though its ``1 - beta_2`` differs.
+
+    The kernel's second moment is Keras's times ``kernel_rate / keras_rate``
+    (both are sums of squared gradients weighted by that rate), and the step
+    divides by its square root.
+
+    >>> round(second_moment_correction(0.999, tf.float32), 8), second_moment_correction(0.999, tf.float64)
+    (0.99999354, 1.0)
+    """
+    real = dtype.as_numpy_dtype
+    kernel_rate = real(1) - real(beta_2)
+    keras_rate = real(1 - beta_2)
+    return float(np.sqrt(np.float64(kernel_rate) / np.float64(keras_rate)))
+
+
+def _sgd(optimizer, index, var, grad, lr, dtype):
+    if not optimizer.momentum:
+        return tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
+    return tf.raw_ops.ResourceApplyKerasMomentum(
+        var=var, accum=_handle(optimizer.momentums[index]), lr=lr, grad=grad,
+        momentum=tf.cast(optimizer.momentum, dtype), use_nesterov=optimizer.nesterov)
+
+
+def _rmsprop(optimizer, index, var, grad, lr, dtype):
+    arguments = {"var": var, "ms": _handle(optimizer._velocities[index]), "mom": _handle(optimizer._momentums[index]),
+                 "lr": lr, "rho": tf.cast(optimizer.rho, dtype), "momentum": tf.cast(optimizer.momentum, dtype),
+                 "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad}
+    if optimizer.centered:
+        return tf.raw_ops.ResourceApplyCenteredRMSProp(mg=_handle(optimizer._average_gradients[index]), **arguments)
+    return tf.raw_ops.ResourceApplyRMSProp(**arguments)
+
+
+def _adagrad(optimizer, index, var, grad, lr, dtype):
+    accumulator = optimizer._accumulators[index].value
+    epsilon = tf.cast(optimizer.epsilon, dtype)
+    shifted = accumulator.assign_add(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
+    with tf.control_dependencies([shifted]):
+        applied = tf.raw_ops.ResourceApplyAdagradV2(var=var, accum=accumulator.handle, lr=lr,
+                                                    epsilon=tf.zeros([], dtype), grad=grad)
+    with tf.control_dependencies([applied]):
+        return accumulator.assign_sub(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
+
+
+_KERNELS = {
+    keras.optimizers.Adam: _adam,
+    keras.optimizers.SGD: _sgd,
+    keras.optimizers.RMSprop: _rmsprop,
+    keras.optimizers.Adagrad: _adagrad,
+}
