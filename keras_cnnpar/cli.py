@@ -99,6 +99,9 @@ def main():
 @click.option("--no-log", is_flag=True, help="Write no result files.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of the split, weights and shuffling.")
 @PRECISION
+@click.option("--fused-optimizer/--no-fused-optimizer", default=True, show_default=True,
+              help="Apply the optimizer's updates with TensorFlow's fused kernels (ResourceApplyAdam and kin); "
+                   "--no-fused-optimizer keeps Keras's element-wise update, for comparison.")
 @click.option("--verbose", type=click.IntRange(0, 2), default=1, show_default=True,
               help="Keras progress: 0 silent, 1 progress bar, 2 one line per epoch.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
@@ -107,7 +110,7 @@ def main():
               help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir,
           timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir,
-          no_log, seed, precision, verbose, export_dir, export_version):
+          no_log, seed, precision, fused_optimizer, verbose, export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
@@ -167,6 +170,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
                                batch_size=batch_size, validation_data=validation, verbose=verbose,
                                results_dir=None if no_log else results_dir, precision=precision,
+                               fused_optimizer=fused_optimizer,
                                callbacks=_checks(model, strategy, train_part, batch_size) if checks else None)
     except strategies.Preempted as preempted:
         click.echo(f"preempted: {preempted}", err=True)
