@@ -1,0 +1,103 @@
+"""Network namespaces as hosts: each with its own address on a private test subnet, joined by a bridge.
+
+``Hosts(2)`` makes the namespaces ``<tag>-h0`` (10.231.7.1) and ``<tag>-h1``
+(10.231.7.2), each with loopback and one interface ``eth0``, wired through a
+bridge in a third, "switch" namespace; nothing is added to the machine's own
+network namespace, and no address outside 10.231.7.0/24 is reachable from
+them. Leaving the ``with`` block kills every process in the namespaces and
+deletes them, also when the test fails. It needs root and ``ip netns``:
+:func:`unavailable` says why not, for ``pytest.skip``.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+SUBNET = "10.231.7"
+
+
+def unavailable():
+    """Why the namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces as hosts need root (ip netns)"
+    probe = f"cnnpar-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode:
+        return f"ip netns add failed: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args):
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+class Hosts:
+    """``count`` namespaces as hosts on 10.231.7.0/24; see the module's docstring."""
+
+    def __init__(self, count, tag=None):
+        self.tag = tag or f"cnp{os.getpid() % 100000}"
+        self.names = [f"{self.tag}-h{i}" for i in range(count)]
+        self.switch = f"{self.tag}-sw"
+        self.processes = []
+
+    def address(self, index):
+        return f"{SUBNET}.{index + 1}"
+
+    def __enter__(self):
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for index, name in enumerate(self.names):
+                _ip("netns", "add", name)
+                _ip("-n", name, "link", "set", "lo", "up")
+                _ip("-n", self.switch, "link", "add", f"port{index}", "type", "veth", "peer", "name", "eth0",
+                    "netns", name)
+                _ip("-n", self.switch, "link", "set", f"port{index}", "master", "br0", "up")
+                _ip("-n", name, "addr", "add", f"{self.address(index)}/24", "dev", "eth0")
+                _ip("-n", name, "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def popen(self, index, command, **kwargs):
+        """Start ``command`` on host ``index`` (in its namespace); the process is killed on exit."""
+        process = subprocess.Popen(["ip", "netns", "exec", self.names[index], *command], start_new_session=True,
+                                   **kwargs)
+        self.processes.append(process)
+        return process
+
+    def link_down(self, index):
+        """Cut host ``index`` off the network, as a pulled cable or a dead host does (no packet answers)."""
+        _ip("-n", self.switch, "link", "set", f"port{index}", "down")
+
+    def pids(self):
+        """The processes running in any of the hosts' namespaces."""
+        found = []
+        for name in self.names:
+            listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
+            found += [int(pid) for pid in listed.stdout.split()]
+        return found
+
+    def close(self):
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while (left := self.pids()) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        for process in self.processes:
+            process.wait(timeout=10)
+        for name in [*self.names, self.switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
