@@ -68,6 +68,10 @@ def main():
 @click.option("--cluster", "cluster_spec", type=click.Path(dir_okay=False), default=None,
               help="For async-ps: JSON spec of running servers, as `cnnpar cluster start` writes it. "
                    "For multi-worker: a TF_CONFIG JSON file instead of the variable.")
+@click.option("--coordinator", default=None, metavar="HOST:PORT",
+              help="For async-ps with --cluster on other hosts: the address this process announces to the cluster "
+                   "as its coordinator, which every task must reach (default: the spec's chief task, else this "
+                   "host's address on the interface that routes to the cluster).")
 @click.option("--resume", is_flag=True, default=None,
               help="For multi-worker and async-ps: continue an interrupted run from its checkpoint.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
@@ -108,9 +112,9 @@ def main():
               help="After training, export a TF Serving SavedModel under this base folder (models/NAME).")
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
-def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, resume, checkpoint_dir,
-          timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction, scale_lr, results_dir,
-          no_log, seed, precision, fused_optimizer, verbose, export_dir, export_version):
+def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, coordinator, resume,
+          checkpoint_dir, timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction,
+          scale_lr, results_dir, no_log, seed, precision, fused_optimizer, verbose, export_dir, export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
@@ -142,8 +146,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         checkpoint_dir = os.path.join(results_dir, runs.CHECKPOINTS)
     try:
         strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0], model=mesh and mesh[1],
-                                     microbatches=microbatches, workers=workers,
-                                     ps=ps, cluster=cluster_spec, resume=resume, checkpoint_dir=checkpoint_dir,
+                                     microbatches=microbatches, workers=workers, ps=ps, cluster=cluster_spec,
+                                     coordinator=coordinator, resume=resume, checkpoint_dir=checkpoint_dir,
                                      timeout=timeout, scale_lr=scale_lr, accumulate=accumulate)
     except (TypeError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
@@ -446,7 +450,7 @@ def launch(workers, command):
 
 @main.group("cluster")
 def cluster_group():
-    """Start and stop TensorFlow server processes for --strategy async-ps on this machine."""
+    """TensorFlow server processes for --strategy async-ps: on this machine (start, stop) or on each host (serve)."""
 
 
 @cluster_group.command("start")
@@ -492,15 +496,29 @@ def cluster_stop(spec_path):
     click.echo(f"stopped {stopped} server processes; removed {spec_path}")
 
 
-@cluster_group.command("serve", hidden=True)
-@click.option("--cluster-json", required=True)
-@click.option("--job", required=True)
-@click.option("--index", type=int, required=True)
-def cluster_serve(cluster_json, job, index):
-    """Run one task's TensorFlow server (started by `cnnpar cluster start`)."""
+@cluster_group.command("serve")
+@click.option("--cluster", "spec_path", type=click.Path(dir_okay=False), required=True,
+              help="The cluster's spec: JSON with 'worker' and 'ps' jobs (as `cluster start` writes it, a TF_CONFIG, "
+                   "or a bare jobs map).")
+@click.option("--job", type=click.Choice(["worker", "ps"]), required=True, help="This task's job.")
+@click.option("--index", type=click.IntRange(min=0), required=True, help="This task's index in its job.")
+def cluster_serve(spec_path, job, index):
+    """Run one task's TensorFlow server, on a host of a multi-host cluster, until SIGTERM or Ctrl-C.
+
+    Run it once per worker and parameter server, each on the host its address in
+    the spec names, then train from any host with `cnnpar train --strategy
+    async-ps --cluster SPEC`. It prints one line when the server is up. The
+    server listens on every interface of its host at its port and runs any graph
+    sent to it, unauthenticated: use it on trusted networks only (docs/strategies.md).
+    """
+    _quiet_tensorflow()
     from keras_cnnpar import cluster
 
-    cluster.main(["serve", "--cluster-json", cluster_json, "--job", job, "--index", str(index)])
+    try:
+        spec = cluster.parse_spec(spec_path)
+        cluster.serve(spec, job, index, announce=True)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--cluster/--job/--index") from None
 
 
 @main.group()

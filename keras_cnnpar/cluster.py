@@ -166,12 +166,12 @@ def _check_addresses(cluster, source):
             seen[key] = f"{job}:{index}"
 
 
-def free_ports(n):
-    """``n`` distinct TCP ports that are free on loopback now."""
+def free_ports(n, host="localhost"):
+    """``n`` distinct TCP ports that are free on ``host`` (an address of this machine; default loopback) now."""
     sockets = [socket.socket() for _ in range(n)]
     try:
         for s in sockets:
-            s.bind(("localhost", 0))
+            s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:
@@ -231,6 +231,60 @@ def _answers(address):
         return True
     except OSError:
         return False
+
+
+def coordinator_address(spec, coordinator=None):
+    """The ``host:port`` a parameter-server coordinator announces to the tasks of ``spec``.
+
+    In order of precedence: the spec's ``chief`` task, ``coordinator``, or this
+    host's address on the interface that routes to the cluster's first task,
+    with a free port (loopback for a cluster on this machine). The tasks pull
+    values from the coordinator (a checkpoint, for one), so the address must be
+    one they can reach; TensorFlow's own default is this host's name, which
+    often resolves to 127.0.0.1.
+
+    >>> coordinator_address({"worker": ["localhost:2222"], "chief": ["10.0.0.5:2220"]}, "10.0.0.9:7000")
+    '10.0.0.5:2220'
+    >>> coordinator_address({"worker": ["localhost:2222"]}, "10.0.0.9:7000")
+    '10.0.0.9:7000'
+    """
+    if "chief" in spec:
+        return spec["chief"][0]
+    if coordinator is not None:
+        return check_coordinator(coordinator)
+    first = next(iter(spec.values()))[0]
+    host = route_address(first.rpartition(":")[0])
+    return f"{host}:{free_ports(1, host)[0]}"
+
+
+def check_coordinator(coordinator):
+    """A coordinator address given by the user, checked as a task's address is; returned as given.
+
+    >>> check_coordinator("10.0.0.1")
+    Traceback (most recent call last):
+    ValueError: coordinator: task chief:0 needs a 'host:port' address with a host and a port in 1..65535. \
+Received: chief[0]='10.0.0.1'
+    """
+    if not isinstance(coordinator, str):
+        raise TypeError(f"coordinator must be a 'host:port' string. Received: coordinator={coordinator!r}")
+    _check_addresses({"chief": [coordinator]}, "coordinator")
+    return coordinator
+
+
+def route_address(host):
+    """This machine's address on the interface that routes to ``host`` (a UDP ``connect`` sends nothing).
+
+    >>> route_address("localhost")
+    '127.0.0.1'
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((host, 9))
+        except OSError as error:
+            raise ConnectionError(f"no route from this host to the cluster task at {host}: {error.strerror}. "
+                                  f"Give the coordinator's address (AsyncPS(coordinator='HOST:PORT'), "
+                                  f"--coordinator) or a 'chief' task in the spec") from None
+        return probe.getsockname()[0]
 
 
 def launch(command, workers, env=None):
@@ -595,18 +649,50 @@ def _is_server(pid, config):
             and _start_time(pid) == config["started"].get(str(pid)))
 
 
-def serve(cluster, job, index):
-    """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until the process ends.
+def serve(cluster, job, index, announce=False):
+    """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until SIGTERM or SIGINT (exit 0).
 
-    A worker's server gets ``inter_op_parallelism_threads >= workers + 1``:
-    with fewer, a parameter-server cluster hangs.
+    The task's host must be an address of this machine (or a name that
+    resolves to one): the spec is what the other tasks dial. TensorFlow's
+    server listens on every interface at the task's port; it runs any graph
+    sent to it, unauthenticated (docs/strategies.md, Security). A worker's
+    server gets ``inter_op_parallelism_threads >= workers + 1``: with fewer, a
+    parameter-server cluster hangs. ``announce`` prints one line once the
+    server is up (``cnnpar cluster serve``).
     """
+    if job not in cluster or not 0 <= index < len(cluster[job]):
+        raise ValueError(f"the cluster has no task {job}:{index}. Received: jobs "
+                         f"{ {name: len(tasks) for name, tasks in cluster.items()} }")
+    address = cluster[job][index]
+    _check_own_address(address, f"{job}:{index}")
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # TensorFlow's threads inherit the mask: the signal waits here
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
         if job == "worker" else None
     tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, config=config,
-                         protocol="grpc").join()
+                         protocol="grpc")
+    if announce:
+        print(f"cnnpar cluster serve: task {job}:{index} ready at {address}; TensorFlow listens on every interface "
+              f"of this host at port {address.rpartition(':')[2]}, unauthenticated: trusted networks only", flush=True)
+    received = signal.sigwait(stop)
+    if announce:
+        print(f"cnnpar cluster serve: task {job}:{index} stopped ({signal.Signals(received).name})", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # TensorFlow's server threads never end on their own; nothing of ours is left to clean up
+
+
+def _check_own_address(address, task):
+    """Refuse to serve ``task`` at an address that is not this machine's (binding there fails)."""
+    host = address.rpartition(":")[0]
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError as error:
+            raise ValueError(f"task {task} has the address {address}, whose host is not an address of this "
+                             f"machine ({error.strerror}); start it on the host the spec names. "
+                             f"Received: {task}={address!r}") from None
 
 
 def main(argv=None):
@@ -616,6 +702,7 @@ def main(argv=None):
     commands = parser.add_subparsers(dest="action", required=True)
     server = commands.add_parser("serve", help="run the server of task JOB:INDEX until the process ends")
     server.add_argument("--cluster-json", required=True, help="the cluster's jobs map, as JSON")
+    server.add_argument("--announce", action="store_true", help="print one line when the server is up")
     server.add_argument("--job", required=True)
     server.add_argument("--index", type=int, required=True)
     server.add_argument("--token", default="", help="the spec's token, so `cluster stop` can tell its servers")
@@ -628,7 +715,7 @@ def main(argv=None):
         command = options.argv[1:] if options.argv[:1] == ["--"] else options.argv
         sys.exit(_run_and_report(command, options.workers, parent=os.getppid()))
     startup.quiet_start()
-    serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index)
+    serve(parse_spec(_json(options.cluster_json, "--cluster-json")), options.job, options.index, options.announce)
 
 
 if __name__ == "__main__":

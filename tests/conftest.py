@@ -30,6 +30,14 @@ def few_val_digits(digits):
     return helpers.balanced(digits, 64, offset=7)
 
 
+@pytest.fixture(scope="session")
+def small_csv(tmp_path_factory):
+    """A Kaggle train.csv of 400 digits, so an epoch under 2 workers takes a second or two."""
+    folder = tmp_path_factory.mktemp("data")
+    train_path, _ = data.write_kaggle(folder, test_fraction=0.2, seed=0)
+    return helpers.write_lines(folder / "small.csv", train_path.read_text().splitlines()[:401])
+
+
 @pytest.fixture
 def small_cnn():
     return helpers.build_small_cnn

@@ -9,6 +9,7 @@ deletes them, also when the test fails. It needs root and ``ip netns``:
 :func:`unavailable` says why not, for ``pytest.skip``.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -92,10 +93,8 @@ class Hosts:
         deadline = time.monotonic() + 10
         while (left := self.pids()) and time.monotonic() < deadline:
             for pid in left:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.1)
         for process in self.processes:
             process.wait(timeout=10)

@@ -14,9 +14,10 @@ import subprocess
 import time
 
 import pytest
+from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import cluster
+from keras_cnnpar import cli, cluster
 from tests.helpers import (
     ENV,
     cnnpar_command,
@@ -172,6 +173,9 @@ def test_an_unreachable_cluster_fails_within_the_timeout():
      "cluster: expected the jobs ['worker', 'ps']. Received: jobs=['worker']"),
     ({"cluster": "missing.json"}, ValueError,
      "cannot read cluster file missing.json: No such file or directory. Received: cluster='missing.json'"),
+    ({"coordinator": "10.0.0.1"}, ValueError, "coordinator: task chief:0 needs a 'host:port' address with a host "
+                                              "and a port in 1..65535. Received: chief[0]='10.0.0.1'"),
+    ({"coordinator": 7000}, TypeError, "coordinator must be a 'host:port' string. Received: coordinator=7000"),
 ])
 def test_async_ps_validates_its_arguments_before_connecting(monkeypatch, tmp_path, kwargs, error, message):
     monkeypatch.chdir(tmp_path)
@@ -219,3 +223,18 @@ def test_cluster_start_with_an_unwritable_spec_starts_no_server(tmp_path):
     assert f"cannot write the spec {spec}: No such file or directory; no server was started." in \
         " ".join(result.stderr.split())
     assert set(suite_processes()) <= before and not spec.exists()
+
+
+@pytest.mark.parametrize("task, message", [
+    (("worker", "0"), "task worker:0 has the address 10.231.7.99:2222, whose host is not an address of this machine "
+                      "(Cannot assign requested address); start it on the host the spec names. "
+                      "Received: worker:0='10.231.7.99:2222'"),
+    (("ps", "3"), "the cluster has no task ps:3. Received: jobs {'worker': 1, 'ps': 1}"),
+])
+def test_cluster_serve_refuses_a_task_that_is_not_on_this_host(tmp_path, task, message):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cluster": {"worker": ["10.231.7.99:2222"], "ps": ["localhost:2223"]}}))
+    job, index = task
+    result = CliRunner().invoke(cli.main, ["cluster", "serve", "--cluster", str(spec), "--job", job, "--index", index])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.replace("│", " ").split())

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cluster, data
+from keras_cnnpar import checkpoints, cluster
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -29,7 +29,6 @@ from tests.helpers import (
     wait_for_epoch_rows,
     worker_envs,
     worker_pid,
-    write_lines,
 )
 
 JOB = Path(__file__).with_name("multi_worker_job.py")
@@ -267,14 +266,6 @@ def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, messag
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in " ".join(result.stderr.split())
     assert not (tmp_path / "results").exists()
-
-
-@pytest.fixture(scope="module")
-def small_csv(tmp_path_factory):
-    """A Kaggle train.csv of 400 digits, so an epoch under 2 workers takes a second or two."""
-    folder = tmp_path_factory.mktemp("data")
-    train_path, _ = data.write_kaggle(folder, test_fraction=0.2, seed=0)
-    return write_lines(folder / "small.csv", train_path.read_text().splitlines()[:401])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda sig: sig.name)

@@ -81,7 +81,12 @@ class AsyncPS(CheckpointedStrategy):
         ps: parameter servers of the in-process cluster (ignored with ``cluster``).
         cluster: None for an in-process cluster; else a ``TF_CONFIG``-style
             dict, a jobs map, a ``tf.train.ClusterSpec`` or the path of a JSON
-            file, with ``worker`` and ``ps`` jobs.
+            file, with ``worker`` and ``ps`` jobs, and optionally a ``chief``
+            job: this process, the coordinator, at that address.
+        coordinator: ``"HOST:PORT"`` this process announces to the cluster as
+            its coordinator when the spec has no ``chief`` task; the tasks must
+            reach it (they pull the checkpoint's values from it). Default: this
+            host's address on the interface that routes to the cluster.
         scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
         staleness_aware: divide each step's gradient by its staleness (default
             True); False applies every gradient whole.
@@ -97,8 +102,8 @@ class AsyncPS(CheckpointedStrategy):
     min_devices = 2
     device_option = "workers"
 
-    def __init__(self, workers=2, ps=1, cluster=None, *, scale_lr=None, staleness_aware=True, steps_per_execution=8,
-                 timeout=30, checkpoint_dir="checkpoints", resume=False):
+    def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
+                 steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -112,9 +117,11 @@ class AsyncPS(CheckpointedStrategy):
         if not isinstance(staleness_aware, bool):
             raise TypeError(f"staleness_aware must be True or False. Received: staleness_aware={staleness_aware!r}")
         self.staleness_aware = staleness_aware
+        if coordinator is not None:
+            cluster_lib.check_coordinator(coordinator)
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
-        cluster_lib.wait_reachable(self.cluster, self.timeout)
-        self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True))
+        cluster_lib.wait_reachable({job: tasks for job, tasks in self.cluster.items() if job != "chief"}, self.timeout)
+        self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True), coordinator)
 
     @property
     def devices(self):
@@ -333,10 +340,13 @@ def _start_servers(spec, workers):
 
 
 @functools.cache
-def _connect(spec_json):
-    """Connect this process to the cluster as its coordinator; one connection per cluster and process."""
+def _connect(spec_json, coordinator=None):
+    """Connect this process to the cluster as its coordinator (task ``chief:0`` at the address of
+    ``cluster.coordinator_address``); one connection per cluster and process."""
     spec = json.loads(spec_json)
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(tf.train.ClusterSpec(spec), rpc_layer="grpc")
+    spec = {**spec, "chief": [cluster_lib.coordinator_address(spec, coordinator)]}
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 

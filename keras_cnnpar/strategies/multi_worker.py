@@ -1,5 +1,6 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
+import contextlib
 import faulthandler
 import json
 import re
@@ -236,6 +237,8 @@ class _PreemptionCheckpoint:
     def __init__(self, strategy, task, prepared, directory, resume, config):
         self.directory = directory
         self.task = task
+        #: The folders that this worker creates (the deepest first): a worker that is not the chief leaves none.
+        self._created = [folder for folder in (directory, *directory.parents) if not folder.exists()]
         self._run = checkpoints.RunCheckpoint(prepared, directory, resume, config)
         self._sigterm = signal.getsignal(signal.SIGTERM)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
@@ -268,3 +271,7 @@ class _PreemptionCheckpoint:
         """Delete this worker's checkpoint folder once the run completed: the run's (the chief), or this run's
         temporary one (``RUN/workertemp_I``), never another run's."""
         self._run.remove(None if self.task.is_chief else self.directory / f"workertemp_{self.task.index}")
+        if not self.task.is_chief:
+            for folder in self._created:
+                with contextlib.suppress(OSError):  # not empty: another run's, or the chief's on a shared disk
+                    folder.rmdir()

@@ -1,0 +1,148 @@
+"""Every cross-host path, between network namespaces that behave as hosts (``tests/hosts.py``).
+
+MultiWorker over two hosts, a host whose link goes down mid-epoch, and AsyncPS
+with its coordinator on another host than its workers and parameter server.
+Every address is one of the namespaces' own (10.231.7.0/24); nothing leaves
+the machine. Skipped, with the reason, where namespaces cannot be made.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keras_cnnpar import cluster, runs
+from tests import hosts
+from tests.helpers import ENV, epoch_column, read_rows, wait_for_epoch_rows, wait_for_file
+
+UNAVAILABLE = hosts.unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts as network namespaces: {UNAVAILABLE}")
+
+MODEL = runs.MODEL_NAMES["3+3"]
+EXAMPLES = Path(__file__).parents[1] / "examples"
+MULTI_WORKER_CSV = runs.run_file_name(MODEL, "multi-worker", 2)
+
+
+def cnnpar(*args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", *args]
+
+
+def train(data, *args):
+    return cnnpar("train", "--model", "3+3", "--data", str(data), "--batch-size", "32", "--results", "results",
+                  "--verbose", "2", *args)
+
+
+def start(net, host, command, folder, env=ENV, log="output.log"):
+    """Run ``command`` on ``host`` in ``folder``; its output goes to ``folder/log``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / log).open("w") as file:
+        return net.popen(host, command, cwd=folder, env=env, stdout=file, stderr=subprocess.STDOUT)
+
+
+def output(folder, log="output.log"):
+    return (folder / log).read_text()
+
+
+def worker_env(spec, index):
+    return {**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", index).tf_config())}
+
+
+def test_multi_worker_trains_across_two_hosts_and_only_the_chief_writes(tmp_path, small_csv):
+    with hosts.Hosts(2) as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        started = [start(net, i, train(small_csv, "--strategy", "multi-worker", "--workers", "2", "--epochs", "2"),
+                         tmp_path / f"host{i}", worker_env(spec, i)) for i in range(2)]
+        codes = [process.wait(timeout=180) for process in started]
+    assert codes == [0, 0], output(tmp_path / "host0")[-3000:] + output(tmp_path / "host1")[-3000:]
+    assert len(read_rows(tmp_path / "host0" / "results" / MULTI_WORKER_CSV)) == 2
+    assert not (tmp_path / "host1" / "results").exists()
+
+
+def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path):
+    script = [sys.executable, str(EXAMPLES / "launch_any_script.py"), "--epochs", "1", "--examples", "400"]
+    with hosts.Hosts(2) as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        started = [start(net, i, script, tmp_path / f"host{i}", {**worker_env(spec, i), cluster.JOIN_AT_IMPORT: "1"})
+                   for i in range(2)]
+        codes = [process.wait(timeout=180) for process in started]
+    assert codes == [0, 0], output(tmp_path / "host0")[-3000:] + output(tmp_path / "host1")[-3000:]
+    assert len(read_rows(tmp_path / "host0" / "results" / runs.run_file_name("launched_cnn", "multi-worker", 2))) == 1
+    assert not (tmp_path / "host1" / "results").exists()
+
+
+def test_a_host_whose_link_goes_down_fails_the_other_within_the_timeout_and_nothing_is_left(tmp_path, small_csv):
+    command = train(small_csv, "--strategy", "multi-worker", "--workers", "2", "--epochs", "100",
+                    "--collective-timeout", "10")
+    with hosts.Hosts(2) as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        chief, other = (start(net, i, command, tmp_path / f"host{i}", worker_env(spec, i)) for i in range(2))
+        wait_for_epoch_rows(tmp_path / "host0" / "results" / MULTI_WORKER_CSV, 1, chief)
+        net.link_down(1)
+        cut = time.monotonic()
+        codes = chief.wait(timeout=90), other.wait(timeout=90)
+        waited = time.monotonic() - cut
+        left = net.pids()
+    assert codes == (1, 1)
+    assert waited < 10 + 30  # the collective timeout, plus a margin that a loaded 2-core machine meets
+    assert "Error: worker 0: training stopped because a peer failed or did not answer within timeout=10.0 s; " \
+           "lost: /job:worker/replica:0/task:1." in output(tmp_path / "host0")
+    assert left == []  # both hosts' processes ended on their own
+
+
+def serve(net, host, spec_path, job, index, folder):
+    return start(net, host, cnnpar("cluster", "serve", "--cluster", str(spec_path), "--job", job,
+                                   "--index", str(index)), folder / f"{job}{index}")
+
+
+def test_async_ps_with_its_coordinator_on_another_host_trains_and_its_servers_stop_cleanly(tmp_path, small_csv):
+    with hosts.Hosts(2) as net:
+        spec = {"worker": [f"{net.address(1)}:2222"], "ps": [f"{net.address(1)}:2223"]}
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps({"cluster": spec}))
+        worker, ps = (serve(net, 1, spec_path, job, 0, tmp_path) for job in ("worker", "ps"))
+        coordinator = start(net, 0, train(small_csv, "--strategy", "async-ps", "--cluster", str(spec_path),
+                                          "--epochs", "2"), tmp_path / "coordinator")
+        code = coordinator.wait(timeout=180)
+        for server in (worker, ps):
+            server.send_signal(signal.SIGTERM)
+        stopped = [server.wait(timeout=30) for server in (worker, ps)]
+    assert code == 0, output(tmp_path / "coordinator")[-3000:]
+    assert len(read_rows(tmp_path / "coordinator" / "results" / runs.run_file_name(MODEL, "async-ps", 1))) == 2
+    assert stopped == [0, 0]
+    for job in ("worker", "ps"):
+        assert output(tmp_path / f"{job}0").splitlines()[-2:] == [
+            f"cnnpar cluster serve: task {job}:0 ready at {spec[job][0]}; TensorFlow listens on every interface of "
+            f"this host at port {spec[job][0].rpartition(':')[2]}, unauthenticated: trusted networks only",
+            f"cnnpar cluster serve: task {job}:0 stopped (SIGTERM)"]
+
+
+def test_async_ps_over_three_hosts_resumes_after_its_parameter_server_is_restarted(tmp_path, small_csv):
+    command = train(small_csv, "--strategy", "async-ps", "--epochs", "3")
+    with hosts.Hosts(3) as net:
+        spec = {"worker": [f"{net.address(1)}:2222", f"{net.address(2)}:2222"], "ps": [f"{net.address(1)}:2223"]}
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps({"cluster": spec}))
+        for host, index in ((1, 0), (2, 1)):  # the servers end with the namespaces
+            serve(net, host, spec_path, "worker", index, tmp_path / f"host{host}")
+        ps = serve(net, 1, spec_path, "ps", 0, tmp_path / "b")
+        coordinator = start(net, 0, [*command, "--cluster", str(spec_path)], tmp_path / "a")
+        csv = tmp_path / "a" / "results" / runs.run_file_name(MODEL, "async-ps", 2)
+        wait_for_epoch_rows(csv, 1, coordinator)
+        wait_for_file(tmp_path / "a" / "results" / runs.CHECKPOINTS / csv.stem / "checkpoint", coordinator)
+        ps.kill()
+        lost = coordinator.wait(timeout=120)
+        ps = serve(net, 1, spec_path, "ps", 0, tmp_path / "b-again")
+        resumed = start(net, 0, [*command, "--cluster", str(spec_path), "--resume"], tmp_path / "a", log="resumed.log")
+        code = resumed.wait(timeout=180)
+    assert lost == 1
+    assert re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch [23]: its variables are gone", output(
+        tmp_path / "a")), output(tmp_path / "a")[-3000:]
+    assert code == 0, output(tmp_path / "a", "resumed.log")[-3000:]
+    assert epoch_column(csv) == [1, 2, 3]
+    assert re.search(r"resumed from results/checkpoints/\S+ after epoch \d", output(tmp_path / "a", "resumed.log"))
+    assert not (tmp_path / "a" / "results" / runs.CHECKPOINTS).exists()  # removed once the run completed
