@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras_cnnpar import arguments, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
+from keras_cnnpar.user_callbacks import UserModelCallbacks
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
@@ -55,7 +56,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             for comparison. The tensor-parallel strategies always use their own mesh optimizer.
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
-        epochs, validation_data, validation_split, shuffle, callbacks, initial_epoch,
+        callbacks: Keras callbacks, run against ``model`` (``self.model`` is the user's model, which holds
+            each completed epoch's weights; see ``cnnpar.user_callbacks``).
+        epochs, validation_data, validation_split, shuffle, initial_epoch,
         **fit_kwargs: as in ``keras.Model.fit``.
     """
     strategy = strategies.resolve(strategy)
@@ -94,9 +97,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
             precision=strategy.precision)
         logging = callback_lib.run_callbacks(info, results_dir, report=report)
+    users = [UserModelCallbacks(callbacks, model, prepared, strategy)] if callbacks else []
     try:
         history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,
-                               callbacks=[*(callbacks or []), *logging], initial_epoch=initial_epoch, **fit_kwargs)
+                               callbacks=[*users, *logging], initial_epoch=initial_epoch, **fit_kwargs)
     except BaseException as error:
         if logging:
             epoch_logger, recorder = logging
@@ -104,6 +108,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             recorder.on_failure(error)
         raise
     strategy.finalize(prepared, model)
+    for user in users:  # on_train_end, with the trained state in the user's model
+        user.train_ended({name: values[-1] for name, values in history.history.items() if values})
     history.set_model(model)
     history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
     model.history = history

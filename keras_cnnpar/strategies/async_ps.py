@@ -65,7 +65,8 @@ class AsyncPS(CheckpointedStrategy):
 
     Create the strategy at the top of the program: this process connects to
     the cluster as its coordinator, and models built before that cannot be
-    read afterwards. The connection lasts for the rest of the process.
+    read afterwards (``fit`` refuses them with that reason, before training).
+    The connection lasts for the rest of the process.
 
     Example (in-process cluster):
 
@@ -153,6 +154,7 @@ class AsyncPS(CheckpointedStrategy):
         return "\n".join(line for line in lines if line)
 
     def prepare(self, model):
+        _check_readable(model)
         prepared = super().prepare(model)
         self.build_optimizer(prepared)
         self._held = _bytes_per_task(prepared.weights)
@@ -274,6 +276,26 @@ class _AsyncLoop:
             return tf.stack([tf_strategy.run(one_step, args=(next(iterator),)) for _ in range(size)])
 
         return group
+
+
+def _check_readable(model):
+    """Refuse, with the reason and the remedy, a model built before this process joined the cluster.
+
+    Joining makes TensorFlow restart its runtime under the cluster's device names,
+    so variables made before are left on a device that no longer exists.
+    """
+    try:
+        for variable in [*model.weights[:1], model.optimizer.iterations]:
+            variable.numpy()
+    except tf.errors.InvalidArgumentError as error:
+        if "not found" not in error.message:
+            raise
+        raise RuntimeError(
+            f"model {model.name!r} was built before this process became AsyncPS's coordinator, and TensorFlow "
+            f"cannot read it since (joining a cluster restarts its runtime under the cluster's device names). "
+            f"Create the strategy first: strategy = cnnpar.AsyncPS(...) before any model is built, then "
+            f"model.fit(..., strategy=strategy); or run `cnnpar train --strategy async-ps`. "
+            f"Received: model={model.name!r}") from None
 
 
 def _bytes_per_task(variables):

@@ -177,6 +177,10 @@ class Strategy:
         """A copy of this strategy for a one-step check (``GradientParityCheck``) beside the real run."""
         return copy.copy(self)
 
+    def reload(self, prepared):
+        """Train on from the weights and optimizer state of ``prepared``, changed since ``prepare`` (a
+        callback restored a backup into it). ``prepared`` is what trains here, so there is nothing to do."""
+
     def finalize(self, prepared, model):
         """Copy the trained weights and optimizer state back into the user's ``model``."""
         rebuild.copy_state(prepared, model)

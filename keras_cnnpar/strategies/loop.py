@@ -30,7 +30,9 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
         callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
         model=model)
     model.stop_training = False
+    model._initial_epoch = None
     callback_list.on_train_begin()
+    initial_epoch = model._initial_epoch or initial_epoch  # a callback restored a backup (as Keras's fit reads it)
     for epoch in range(initial_epoch, epochs):
         with (epoch_guard or (lambda _: contextlib.nullcontext()))(epoch):
             callback_list.on_epoch_begin(epoch)

@@ -115,6 +115,10 @@ class ChannelSharded(Strategy):
                                verbose=verbose, initial_epoch=initial_epoch,
                                validate=validate if validation_data is not None else None)
 
+    def reload(self, prepared):
+        self.sharded.set_weights(prepared.get_weights())
+        self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
+
     def _sync(self, prepared):
         """Copy the sharded weights and optimizer state into ``prepared`` (the local Keras model)."""
         prepared.set_weights(self.sharded.get_weights())

@@ -1,0 +1,101 @@
+"""The user's Keras callbacks, run against the user's model rather than the strategy's training copy.
+
+A strategy trains a copy of the user's model (:mod:`keras_cnnpar.rebuild`),
+but Keras callbacks work on ``self.model``: ``ModelCheckpoint`` saves it,
+``EarlyStopping`` restores its best weights into it, ``ReduceLROnPlateau``
+changes its optimizer's learning rate, ``BackupAndRestore`` saves and restores
+it. :class:`UserModelCallbacks` gives them the user's model:
+
+- at the end of every epoch the trained weights and optimizer state are copied
+  into the user's model *before* the callbacks run, so a checkpoint holds that
+  epoch's weights, and what the callbacks changed goes back into training: a
+  new learning rate (times the strategy's ``scale_lr`` factor) and a request to
+  stop;
+- after ``on_train_begin``, weights and an epoch that a callback restored into
+  the user's model (``BackupAndRestore``) go into training;
+- ``on_train_end`` runs once the trained state is back in the user's model
+  (``cnnpar.fit`` calls :meth:`UserModelCallbacks.train_ended`), so
+  ``EarlyStopping(restore_best_weights=True)`` leaves the best weights there.
+
+Batch-level hooks reach the callbacks where the strategy calls them; during an
+epoch the user's model holds the weights of the last completed epoch.
+
+>>> import keras, keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> digits = cnnpar.data.load()
+>>> stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)
+>>> history = cnnpar.fit(model, digits.x[:128], digits.y[:128], batch_size=64, epochs=5, callbacks=[stop],
+...                      results_dir=None, verbose=0)
+>>> len(history.history["loss"]), stop.model is model  # stopped after the second epoch, which gained < 10.0
+(2, True)
+"""
+
+import keras
+
+from keras_cnnpar import rebuild
+
+
+class UserModelCallbacks(keras.callbacks.Callback):
+    """Runs ``callbacks`` against the user's ``model`` while ``strategy`` trains ``prepared`` (see the module)."""
+
+    def __init__(self, callbacks, model, prepared, strategy):
+        super().__init__()
+        self.user_model, self.prepared, self.strategy = model, prepared, strategy
+        self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=model)
+        self._learning_rate = None
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callbacks.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        self.user_model.stop_training = False
+        self.user_model._initial_epoch = None
+        self.callbacks.on_train_begin(logs)
+        restored_epoch = self.user_model._initial_epoch
+        if restored_epoch:  # BackupAndRestore loaded a backup into the user's model
+            rebuild.copy_state(self.user_model, self.prepared)
+            self.strategy.reload(self.prepared)
+            self.prepared._initial_epoch = restored_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.callbacks.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        rebuild.copy_state(self.prepared, self.user_model)
+        rate = self._user_learning_rate()
+        self.callbacks.on_epoch_end(epoch, logs)
+        changed = self._user_learning_rate()
+        if changed is not None and changed != rate:
+            self.prepared.optimizer.learning_rate = changed * self.strategy.lr_factor()
+        if self.user_model.stop_training:
+            self.prepared.stop_training = True
+
+    def train_ended(self, logs=None):
+        """``on_train_end``, once the trained state is back in the user's model."""
+        self.callbacks.on_train_end(logs)
+
+    def _user_learning_rate(self):
+        """The user's optimizer's constant learning rate, or None under a schedule."""
+        optimizer = getattr(self.user_model.optimizer, "inner_optimizer", self.user_model.optimizer)
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            return None
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.callbacks.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.callbacks.on_train_batch_end(batch, logs)
+
+    def on_test_begin(self, logs=None):
+        self.callbacks.on_test_begin(logs)
+
+    def on_test_end(self, logs=None):
+        self.callbacks.on_test_end(logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.callbacks.on_test_batch_begin(batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.callbacks.on_test_batch_end(batch, logs)

@@ -1,0 +1,94 @@
+"""Everyday Keras callbacks under every in-process strategy, run against the user's model.
+
+(AsyncPS and MultiWorker run in processes of their own; their epoch loop is the
+same ``UserModelCallbacks`` path.)
+"""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import rebuild
+from keras_cnnpar.user_callbacks import UserModelCallbacks
+from tests.helpers import build_small_cnn, max_difference
+
+STRATEGIES = ["single", "mirrored", cnnpar.LayerPlacement(2, microbatches=2), cnnpar.ChannelSharded(2),
+              cnnpar.Hybrid(2, 2)]
+
+
+@pytest.fixture(scope="module")
+def user_data(few_digits):
+    x, y = few_digits
+    return tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64)
+
+
+class StopAt(keras.callbacks.Callback):
+    """Raises at the end of ``epoch`` (0-based), as a killed job ends mid-run."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"killed after epoch {epoch + 1}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_checkpoints_early_stopping_and_a_reduced_rate_act_on_the_users_model(strategy, user_data, tmp_path):
+    model = build_small_cnn(learning_rate=0.1)
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "epoch{epoch}.keras")),
+        # loss falls every epoch, so with mode="max" the first epoch is the best: stop after two more, restore it
+        keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=2, restore_best_weights=True),
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", mode="max", patience=0, factor=0.5, min_lr=0.0),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+        keras.callbacks.TerminateOnNaN(),
+    ]
+    history = cnnpar.fit(model, user_data, epochs=10, strategy=strategy, callbacks=callbacks, results_dir=None,
+                         verbose=0)
+    losses = history.history["loss"]
+    assert len(losses) == 3 and np.argmax(losses) == 0  # stopped by EarlyStopping, in the user's model
+    saved = [keras.saving.load_model(tmp_path / f"epoch{epoch}.keras") for epoch in (1, 2, 3)]
+    assert {type(m).__name__ for m in saved} == {"Sequential"}  # the user's model, not the strategy's copy
+    assert max_difference(model.get_weights(), saved[0].get_weights()) == 0.0  # the best epoch's weights restored
+    assert max_difference(saved[2].get_weights(), saved[0].get_weights()) > 1e-3  # training went on meanwhile
+    with open(tmp_path / "log.csv") as file:
+        rates = [float(row["learning_rate"]) for row in csv.DictReader(file)]
+    assert rates == pytest.approx([0.1, 0.1, 0.05])  # the rate in use: reduced after epochs 2 and 3
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_backup_and_restore_resumes_a_killed_run_at_its_epoch(strategy, user_data, tmp_path):
+    uninterrupted = cnnpar.fit(build_small_cnn(), user_data, epochs=4, strategy=strategy, results_dir=None,
+                               verbose=0).history["loss"]
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        cnnpar.fit(build_small_cnn(), user_data, epochs=4, strategy=strategy, results_dir=None, verbose=0,
+                   callbacks=[keras.callbacks.BackupAndRestore(backup), StopAt(1)])
+    fresh = build_small_cnn(seed=5)  # a new process would start from other weights
+    resumed = cnnpar.fit(fresh, user_data, epochs=4, strategy=strategy, results_dir=None, verbose=0,
+                         callbacks=[keras.callbacks.BackupAndRestore(backup)]).history["loss"]
+    assert resumed == pytest.approx(uninterrupted[2:], rel=1e-4)  # epochs 3 and 4, from the backed-up weights
+
+
+def test_a_rate_that_a_callback_sets_reaches_the_training_copy_times_the_strategys_factor():
+    class Halve(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.optimizer.learning_rate = 0.5 * float(self.model.optimizer.learning_rate.numpy())
+
+    strategy = cnnpar.DataParallel(2, scale_lr="linear")
+    model = build_small_cnn(learning_rate=0.1)
+    prepared = strategy.prepare(model)
+    assert float(prepared.optimizer.learning_rate.numpy()) == pytest.approx(0.2)
+    users = UserModelCallbacks([Halve()], model, prepared, strategy)
+    users.on_epoch_end(0, {})
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+    assert float(prepared.optimizer.learning_rate.numpy()) == pytest.approx(0.1)  # 0.05 x 2 replicas
+    assert max_difference(model.get_weights(), prepared.get_weights()) == 0.0
+    assert rebuild.optimizer_state(model.optimizer)[0].numpy() == rebuild.optimizer_state(prepared.optimizer)[0]
