@@ -26,6 +26,18 @@ def positive_int(name, value):
     return value
 
 
+def flag(name, value):
+    """``value`` if it is True or False.
+
+    >>> flag("sync_batchnorm", 1)
+    Traceback (most recent call last):
+    TypeError: sync_batchnorm must be True or False. Received: sync_batchnorm=1
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+    return value
+
+
 def positive_seconds(name, value):
     """``value`` if it is a positive number of seconds (int or float, not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -49,7 +49,8 @@ class GradientParityCheck(keras.callbacks.Callback):
     the change of its weights, divided by the strategy's learning-rate factor,
     is the gradient the strategy applied. The reference is the gradient of the
     same loss on one device. The logs get ``grad_parity_max_abs_diff`` and
-    ``grad_parity_verdict`` (``pass`` within ``tolerance``, else ``FAIL``;
+    ``grad_parity_verdict`` (``pass`` within ``tolerance``, else ``FAIL``, with
+    the reason when it is expected: BatchNormalization per replica, printed too;
     ``n/a`` for a strategy that cannot run a probe, such as multi-worker;
     ``error: ...`` when the probe failed, which is also printed).
 
@@ -78,10 +79,24 @@ class GradientParityCheck(keras.callbacks.Callback):
             print(f"GradientParityCheck could not run a probe step under {self.strategy!r}: {error}", file=sys.stderr)
             return
         self.verdict = "pass" if self.difference <= self.tolerance else "FAIL"
+        if self.verdict == "FAIL" and _normalizes_per_replica(self.reference, self.strategy):
+            self.verdict = "FAIL (expected: BatchNormalization per replica)"
+            print(f"GradientParityCheck: the step under {self.strategy!r} differs from Single's by "
+                  f"{self.difference:.3g}, as expected: its BatchNormalization layers normalize each replica's "
+                  f"slice of the batch with that slice's statistics (sync_batchnorm=False); with "
+                  f"sync_batchnorm=True they use the global batch's, and the step is Single's", file=sys.stderr)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs.update(grad_parity_max_abs_diff=self.difference, grad_parity_verdict=self.verdict)
+
+
+def _normalizes_per_replica(model, strategy):
+    """Whether ``strategy`` splits each batch over replicas that normalize with their own slice's statistics."""
+    has_norm = any(isinstance(layer, keras.layers.BatchNormalization)
+                   for layer in model._flatten_layers(include_self=False, recursive=True))
+    return has_norm and strategy.num_replicas > 1 and strategies.accepts(strategy.alias, "sync_batchnorm") \
+        and not strategy.sync_batchnorm
 
 
 def gradient_difference(model, strategy, x, y):

@@ -50,6 +50,26 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
     return copy
 
 
+def clone_synchronized(model):
+    """``keras.models.clone_model``, with every ``BatchNormalization`` synchronized across replicas.
+
+    Under a ``tf.distribute`` strategy, a synchronized layer computes the batch
+    mean and variance over the global batch (all-reduced sums), so a step is
+    one device's step on the whole batch, up to float32 rounding.
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization()])
+    >>> clone_synchronized(model).layers[0].synchronized
+    True
+    """
+    def synchronized(layer):
+        config = layer.get_config()
+        if isinstance(layer, keras.layers.BatchNormalization):
+            config["synchronized"] = True
+        return layer.__class__.from_config(config)
+
+    return keras.models.clone_model(model, clone_function=synchronized)
+
+
 def set_precision(model, precision):
     """Make ``model`` compute under the Keras dtype policy ``precision``, its output layers in float32.
 

@@ -17,8 +17,11 @@ it. :class:`UserModelCallbacks` gives them the user's model:
   (``cnnpar.fit`` calls :meth:`UserModelCallbacks.train_ended`), so
   ``EarlyStopping(restore_best_weights=True)`` leaves the best weights there.
 
-Batch-level hooks reach the callbacks where the strategy calls them; during an
-epoch the user's model holds the weights of the last completed epoch.
+Batch-level hooks reach the callbacks where the strategy calls them at every
+step (Keras's ``fit``, the tensor-parallel loop); a strategy that cannot
+(``AsyncPS``) calls them once per epoch, and a warning names each callback that
+has such hooks. During an epoch the user's model holds the weights of the last
+completed epoch.
 
 >>> import keras, keras_cnnpar as cnnpar
 >>> model = cnnpar.models.cnn("3+3")
@@ -30,9 +33,20 @@ epoch the user's model holds the weights of the last completed epoch.
 (2, True)
 """
 
+import warnings
+
 import keras
 
 from keras_cnnpar import rebuild
+
+_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+
+def _with_batch_hooks(callbacks):
+    """The callbacks that override one of Keras's training batch hooks."""
+    base = keras.callbacks.Callback
+    return [callback for callback in callbacks
+            if any(getattr(type(callback), hook) is not getattr(base, hook) for hook in _BATCH_HOOKS)]
 
 
 class UserModelCallbacks(keras.callbacks.Callback):
@@ -42,7 +56,10 @@ class UserModelCallbacks(keras.callbacks.Callback):
         super().__init__()
         self.user_model, self.prepared, self.strategy = model, prepared, strategy
         self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=model)
-        self._learning_rate = None
+        if strategy.batch_hooks:
+            for callback in _with_batch_hooks(callbacks):
+                warnings.warn(f"{type(callback).__name__} has batch-level hooks, which {type(strategy).__name__} "
+                              f"calls {strategy.batch_hooks}, not at every step", stacklevel=3)
 
     def set_params(self, params):
         super().set_params(params)

@@ -61,6 +61,30 @@ def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None):
     return training.parallel(model)
 
 
+#: The gradient of BatchNormalization over a conv layer's 50,176 values per channel cancels heavily: Single's own
+#: float32 gradient of a conv + BN model differed from its float64 gradient by 5.6e-4 here, as much as the
+#: synchronized DataParallel gradient from Single's (5e-4); summed in another order, the same math rounds
+#: differently. One step at learning rate 0.1 moved the weights 1.2e-4 apart; per-replica statistics, 1.1e-2.
+SYNCHRONIZED_STEP_TOLERANCE = 5e-4
+
+
+def build_residual_cnn(seed=0, learning_rate=0.1):
+    """A functional CNN with BatchNormalization and a skip connection (``a`` to ``skip``), compiled with SGD."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((28, 28, 1))
+    a = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="a")(inputs)
+    b = keras.layers.Conv2D(8, 3, padding="same", name="b")(a)
+    b = keras.layers.Activation("relu", name="b_relu")(keras.layers.BatchNormalization(name="b_norm")(b))
+    c = keras.layers.Conv2D(8, 3, padding="same", name="c")(b)
+    merged = keras.layers.Add(name="skip")([a, c])
+    pooled = keras.layers.Flatten(name="flat")(keras.layers.MaxPooling2D(name="pool")(merged))
+    outputs = keras.layers.Dense(10, activation="softmax", name="out")(pooled)
+    model = keras.Model(inputs, outputs, name="residual_cnn")
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
 def max_weight_difference(a, b):
     """The largest absolute difference between two models' weights (they must have the same, non-empty list)."""
     return max_difference(a.get_weights(), b.get_weights())

@@ -6,6 +6,8 @@ Modes:
   ``MultiWorker``; every worker saves its weights to ``OUT.<index>.npz``.
 - ``accumulate``: the same 64 digits as 2 micro-batches of 32 under
   ``MultiWorker(accumulate=2)``: one update, one gradient sync.
+- ``residual``: one SGD step of the residual test CNN (BatchNormalization,
+  synchronized across the workers) on the same 64 digits.
 - ``shards``: every worker writes the example indices its slices of the batches
   held, over two epochs of a shuffled pipeline, to ``OUT.<index>.json``.
 """
@@ -23,11 +25,11 @@ import keras_cnnpar as cnnpar
 SHARD_EXAMPLES, SHARD_BATCH, EPOCHS = 48, 8, 2
 
 
-def one_step(strategy, out, batch_size=64):
-    from helpers import build_small_cnn
+def one_step(strategy, out, batch_size=64, builder="build_small_cnn"):
+    import helpers
 
     digits = cnnpar.data.load()
-    model = build_small_cnn(seed=1)
+    model = getattr(helpers, builder)(seed=1)
     cnnpar.fit(model, digits.x[::78][:64], digits.y[::78][:64], strategy=strategy, batch_size=batch_size, epochs=1,
                shuffle=False, verbose=0, results_dir=None)
     np.savez(f"{out}.{strategy.task.index}.npz", *model.get_weights())
@@ -54,4 +56,5 @@ if __name__ == "__main__":
     # First: join the cluster before TensorFlow starts.
     worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=2 if mode == "accumulate" else 1)
     {"step": one_step, "accumulate": lambda strategy, out: one_step(strategy, out, batch_size=32),
+     "residual": lambda strategy, out: one_step(strategy, out, builder="build_residual_cnn"),
      "shards": shards}[mode](worker, out)

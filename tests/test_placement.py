@@ -1,10 +1,12 @@
+import re
+
 import keras
 import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.strategies import placement
-from tests.helpers import FLOORS, max_weight_difference, read_rows
+from tests.helpers import FLOORS, build_residual_cnn, max_weight_difference, read_rows
 
 DENSE = 5  # index of the 2+2's first Dense layer in model.layers
 
@@ -45,12 +47,42 @@ def test_invalid_placements_are_refused_with_the_reason(mapping, message):
     assert str(raised.value).startswith(message)
 
 
-def test_only_sequential_models_are_cut_into_stages():
-    inputs = keras.Input((28, 28, 1))
-    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(inputs)))
-    with pytest.raises(TypeError, match=r"^LayerPlacement cuts a keras.Sequential model into stages. "
-                                        r"Received: model of type Functional$"):
-        cnnpar.LayerPlacement(2).prepare(model)
+def test_a_subclassed_model_has_no_graph_to_cut():
+    class Subclassed(keras.Model):
+        def call(self, inputs):
+            return inputs
+
+    with pytest.raises(TypeError, match=r"^LayerPlacement cuts the layer graph of a keras.Sequential or functional "
+                                        r"model into stages; a subclassed model has no graph to cut. "
+                                        r"Received: model of type Subclassed$"):
+        cnnpar.LayerPlacement(2).prepare(Subclassed())
+
+
+def test_a_skip_connection_across_the_stage_boundary_goes_to_the_stage_that_uses_it():
+    strategy = cnnpar.LayerPlacement(2, placement={"c": 1})
+    prepared = strategy.prepare(build_residual_cnn())
+    assert [[layer.name for layer in stage.layers] for stage in strategy.stages] == [
+        ["a", "b", "b_norm", "b_relu"], ["c", "skip", "pool", "flat", "out"]]
+    assert "      receives: b_relu (stage 0), a (stage 0)" in strategy.report().splitlines()
+    devices = {w.path.split("/")[0]: w.value.device.split("device:")[-1] for w in prepared.weights}
+    assert devices == {"a": "CPU:0", "b": "CPU:0", "b_norm": "CPU:0", "c": "CPU:1", "out": "CPU:1"}
+    graph = tf.function(prepared).get_concrete_function(tf.TensorSpec([None, 28, 28, 1])).graph
+    scope = {op: re.sub(r"_\d+$", "", [*op.name.split("/"), ""][1]) for op in graph.get_operations()}  # a_1: a
+    placed = {(scope[op], op.type, op.device.split("device:")[-1]) for op in graph.get_operations()
+              if op.type in ("Conv2D", "MatMul") or (op.type, scope[op]) == ("AddV2", "skip")}
+    assert placed == {
+        ("a", "Conv2D", "CPU:0"), ("b", "Conv2D", "CPU:0"), ("c", "Conv2D", "CPU:1"), ("skip", "AddV2", "CPU:1"),
+        ("out", "MatMul", "CPU:1")}
+
+
+def test_a_residual_network_with_batch_normalization_takes_single_s_step(few_digits):
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    single, placed = build_residual_cnn(seed=3), build_residual_cnn(seed=3)
+    cnnpar.fit(single, x, y, batch_size=64, shuffle=False, verbose=0, strategy="single", results_dir=None)
+    cnnpar.fit(placed, x, y, batch_size=64, shuffle=False, verbose=0, results_dir=None,
+               strategy=cnnpar.LayerPlacement(2, placement={"c": 1}))
+    assert max_weight_difference(single, build_residual_cnn(seed=3)) > 1e-3
+    assert max_weight_difference(single, placed) < 1e-5  # weights and the moving statistics
 
 
 @pytest.mark.parametrize("microbatches", [1, 4])

@@ -92,3 +92,18 @@ def test_a_rate_that_a_callback_sets_reaches_the_training_copy_times_the_strateg
     assert float(prepared.optimizer.learning_rate.numpy()) == pytest.approx(0.1)  # 0.05 x 2 replicas
     assert max_difference(model.get_weights(), prepared.get_weights()) == 0.0
     assert rebuild.optimizer_state(model.optimizer)[0].numpy() == rebuild.optimizer_state(prepared.optimizer)[0]
+
+
+def test_a_strategy_that_calls_batch_hooks_once_per_epoch_names_the_callbacks_that_have_them():
+    class PerBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    strategy = cnnpar.Single()
+    strategy.batch_hooks = "once per epoch (as AsyncPS does)"
+    model = build_small_cnn()
+    with pytest.warns(UserWarning) as warned:
+        UserModelCallbacks([PerBatch(), keras.callbacks.CSVLogger("unused.csv")], model, model, strategy)
+    assert [str(w.message) for w in warned] == [
+        "PerBatch has batch-level hooks, which Single calls once per epoch (as AsyncPS does), not at every step"]
+    assert cnnpar.AsyncPS.batch_hooks.startswith("once per epoch")

@@ -100,6 +100,7 @@ class AsyncPS(CheckpointedStrategy):
     """
 
     description = "asynchronous parameter servers, see --workers, --ps, --cluster"
+    batch_hooks = "once per epoch (its steps run on the workers, scheduled in groups)"
     min_devices = 2
     device_option = "workers"
 
@@ -115,9 +116,7 @@ class AsyncPS(CheckpointedStrategy):
         self.workers = len(self.spec["worker"]) if self.spec else workers
         self.ps = len(self.spec["ps"]) if self.spec else ps
         self.scale_lr = arguments.scale_lr(scale_lr)
-        if not isinstance(staleness_aware, bool):
-            raise TypeError(f"staleness_aware must be True or False. Received: staleness_aware={staleness_aware!r}")
-        self.staleness_aware = staleness_aware
+        self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)

@@ -114,6 +114,10 @@ class Strategy:
     precision = "float32"
     #: Whether the prepared model's optimizer uses TensorFlow's fused kernels; ``cnnpar.fit(fused_optimizer=...)``.
     fused_optimizer = True
+    #: Whether BatchNormalization computes its batch statistics over the global batch (data-parallel strategies).
+    sync_batchnorm = False
+    #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
+    batch_hooks = None
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
@@ -153,10 +157,10 @@ class Strategy:
 
     def prepare(self, model):
         """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
+        clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                steps_per_execution=self.steps_per_execution, precision=self.precision,
-                               fused_optimizer=self.fused_optimizer,
-                               clone=accumulation.wrap(keras.models.clone_model, self.accumulate))
+                               fused_optimizer=self.fused_optimizer, clone=accumulation.wrap(clone, self.accumulate))
 
     def fit(self, prepared, train, **fit_kwargs):
         """Train ``prepared`` on the batched dataset ``train``; return Keras's ``History``."""

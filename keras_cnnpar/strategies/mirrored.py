@@ -45,13 +45,19 @@ class DataParallel(Strategy):
         accumulate: micro-batches of ``batch_size`` per step, their mean
             gradient applied once (see ``Strategy``): one all-reduce per
             ``accumulate`` micro-batches.
+        sync_batchnorm: ``BatchNormalization`` layers compute their batch
+            statistics over the global batch (default True), so a step equals
+            ``Single``'s; False keeps each replica's own statistics (Keras's
+            and Lightning's default), which saves an all-reduce per layer and
+            step but normalizes with ``batch_size / devices`` examples.
     """
 
     description = "sync data parallel on MirroredStrategy"
     min_devices = 2
 
-    def __init__(self, devices=None, *, scale_lr=None, accumulate=1):
+    def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True):
         super().__init__(steps_per_execution=1, accumulate=accumulate)
+        self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
         default = len(tf.config.list_physical_devices("GPU")) or 2
         self.devices = arguments.devices(default if devices is None else devices)
         self.scale_lr = arguments.scale_lr(scale_lr)

@@ -80,6 +80,8 @@ class MultiWorker(CheckpointedStrategy):
             :class:`DataParallel`.
         accumulate: micro-batches of ``batch_size`` per step, as in
             :class:`DataParallel`: one all-reduce per ``accumulate`` micro-batches.
+        sync_batchnorm: ``BatchNormalization`` statistics over the global
+            batch of all workers (default True), as in :class:`DataParallel`.
     """
 
     description = "sync data parallel across processes, see --workers"
@@ -89,9 +91,10 @@ class MultiWorker(CheckpointedStrategy):
     shuffle_seed = 0
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
-                 accumulate=1):
+                 accumulate=1, sync_batchnorm=True):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
                          accumulate=accumulate)
+        self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
         self.task = cluster_lib.Task.parse(cluster)
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)

@@ -17,15 +17,20 @@ from keras_cnnpar.strategies.base import Strategy, register
 class LayerPlacement(Strategy):
     """Model parallel: each device holds a contiguous run of layers (a stage).
 
-    The layers of a ``keras.Sequential`` model are cut into stages, one per
-    device; every layer's ``build`` and ``call`` run under its device, so its
-    variables and ops live there and activations flow from stage to stage.
+    The layers of a ``keras.Sequential`` or functional model are cut into
+    stages, one per device, contiguous in the topological order of the layer
+    graph; every layer's ``build`` and ``call`` run under its device, so its
+    variables and ops live there and activations flow from stage to stage. A
+    tensor that crosses more than one stage boundary (a skip connection) goes
+    straight to the stage that uses it; the report lists what each stage
+    receives from earlier ones.
     The whole global ``batch_size`` passes through every stage. With
     ``microbatches=m > 1`` each batch is cut into ``m`` micro-batches that flow
     through the stages independently, so different devices can work on
     different micro-batches at once; their predictions are joined before the
     loss, which makes one gradient and one update per batch, equal to
-    ``microbatches=1``. Before training, a table of the stages (layers,
+    ``microbatches=1`` (``BatchNormalization`` then normalizes each
+    micro-batch with its own statistics, as in GPipe). Before training, a table of the stages (layers,
     parameters, bytes, estimated FLOPs, balance) is printed and logged, and
     the expected bubble ``(p-1)/(m+p-1)`` and each stage's measured time per
     micro-batch go into the epoch CSV.
@@ -61,19 +66,24 @@ class LayerPlacement(Strategy):
         self.placement = placement
         self.microbatches = arguments.positive_int("microbatches", microbatches)
         self.stages = None
+        self.sequential = True
 
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
 
     def prepare(self, model):
-        if not isinstance(model, keras.Sequential):
-            raise TypeError("LayerPlacement cuts a keras.Sequential model into stages. "
-                            f"Received: model of type {type(model).__name__}")
+        if not isinstance(model, keras.Sequential) and not _is_graph(model):
+            raise TypeError("LayerPlacement cuts the layer graph of a keras.Sequential or functional model into "
+                            "stages; a subclassed model has no graph to cut. Received: model of type "
+                            f"{type(model).__name__}")
         names = device_lib.resolve(self.devices)
-        layers = list(model.layers)
+        layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         owner = assign_stages(layers, len(names), self.placement, names)
-        self.stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d])
+        stage_of = {layer.name: o for layer, o in zip(layers, owner)}
+        self.stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d],
+                             received=_received(layers, stage_of, d))
                        for d in dict.fromkeys(owner)]  # in layer order
+        self.sequential = isinstance(model, keras.Sequential)
         device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
 
         def clone(user_model):
@@ -93,6 +103,8 @@ class LayerPlacement(Strategy):
         for i, s in enumerate(self.stages):
             lines.append(f"{i:<6}{s.device:<16}{s.params:>11,}{s.bytes:>13,}{s.flops / 1e6:>11.2f}"
                          f"{s.flops / total:>7.2f}  {', '.join(layer.name for layer in s.layers)}")
+            if i and s.received:
+                lines.append(f"{'':<6}receives: {', '.join(s.received)}")
         p, m = len(self.stages), self.microbatches
         lines.append(f"balance: the largest stage has {max(s.flops for s in self.stages) / total:.0%} of the FLOPs "
                      f"(even: {1 / p:.0%}); expected bubble (p-1)/(m+p-1) = {bubble_fraction(p, m):.3f}")
@@ -110,13 +122,38 @@ def bubble_fraction(stages, microbatches):
 
 
 class Stage:
-    """One device's run of layers, with its parameter count, bytes and estimated forward FLOPs per image."""
+    """One device's run of layers, with its parameter count, bytes, estimated forward FLOPs per image and the
+    tensors it receives from earlier stages (``"layer (stage i)"``)."""
 
-    def __init__(self, device, layers):
-        self.device, self.layers = device, layers
+    def __init__(self, device, layers, received=()):
+        self.device, self.layers, self.received = device, layers, list(received)
         self.params = sum(layer.count_params() for layer in layers)
         self.bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for layer in layers for w in layer.weights)
         self.flops = sum(layer_flops(layer) for layer in layers)
+
+
+def _is_graph(model):
+    """Whether ``model`` is a functional model: a graph of layers from its inputs to its outputs."""
+    return isinstance(model, keras.Model) and hasattr(model, "_operations")  # Keras's Functional keeps its graph
+
+
+def _sources(layer):
+    """The layers whose outputs ``layer`` takes as inputs (in its first call in the model)."""
+    node = layer._inbound_nodes[0]
+    return [tensor._keras_history.operation for tensor in keras.tree.flatten(node.input_tensors)]
+
+
+def _received(layers, stage_of, stage):
+    """The outputs of earlier stages that the layers of ``stage`` take: ``"name (stage i)"``, in layer order."""
+    received = {}
+    for layer in layers:
+        if stage_of[layer.name] != stage:
+            continue
+        for source in _sources(layer):
+            origin = stage_of.get(source.name)
+            if origin is not None and origin < stage:
+                received.setdefault(source.name, f"{source.name} (stage {origin})")
+    return list(received.values())
 
 
 def layer_flops(layer):
@@ -228,7 +265,8 @@ class StageTimes(keras.callbacks.Callback):
     """Adds ``bubble_fraction`` and each stage's measured seconds per micro-batch to the epoch logs.
 
     Before training it times forward and backward of every stage alone on one
-    micro-batch of the first batch. It must come before ``EpochLogger``, which
+    micro-batch of the first batch (for a Sequential model, whose stages are
+    chains of layers). It must come before ``EpochLogger``, which
     writes what the logs hold; ``LayerPlacement.fit`` puts it first.
     """
 
@@ -238,17 +276,19 @@ class StageTimes(keras.callbacks.Callback):
         self.seconds = []
 
     def on_train_begin(self, logs=None):
+        self.seconds = []
+        if not self.strategy.sequential:
+            return  # a stage of a graph is not a chain of layers to time alone; the bubble is still logged
         x = next(iter(self.train))[0]
         x = x[: max(1, int(x.shape[0]) // self.strategy.microbatches)]
         layers = {layer.name: layer for layer in _inner(self.model).layers}
-        self.seconds = []
         for stage in self.strategy.stages:
             seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["bubble_fraction"] = bubble_fraction(len(self.seconds), self.strategy.microbatches)
+            logs["bubble_fraction"] = bubble_fraction(len(self.strategy.stages), self.strategy.microbatches)
             logs.update({f"stage{i}_seconds": s for i, s in enumerate(self.seconds)})
 
 

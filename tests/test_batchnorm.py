@@ -1,0 +1,54 @@
+"""BatchNormalization under data parallelism: synchronized statistics give Single's step; per-replica ones do not,
+and the parity check says why."""
+
+import keras
+import pytest
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar.checks import GradientParityCheck
+from tests.helpers import SYNCHRONIZED_STEP_TOLERANCE, build_residual_cnn, max_difference, max_weight_difference
+
+
+def one_step(strategy, batch):
+    model = build_residual_cnn(seed=3)
+    cnnpar.fit(model, *batch, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    return model
+
+
+@pytest.fixture(scope="module")
+def batch(few_digits):
+    return few_digits[0][:64], few_digits[1][:64]
+
+
+@pytest.fixture(scope="module")
+def single(batch):
+    return one_step("single", batch)
+
+
+def test_synchronized_batch_statistics_take_single_s_step(batch, single):
+    assert max_weight_difference(single, build_residual_cnn(seed=3)) > 1e-1
+    assert cnnpar.DataParallel(2).sync_batchnorm  # the default
+    synchronized = one_step(cnnpar.DataParallel(2), batch)
+    assert max_weight_difference(single, synchronized) < SYNCHRONIZED_STEP_TOLERANCE  # moving statistics too
+    assert max_difference([w for w in single.weights if "moving" in w.path],
+                          [w for w in synchronized.weights if "moving" in w.path]) < 1e-6
+
+
+def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, single, capsys):
+    strategy = cnnpar.DataParallel(2, sync_batchnorm=False)
+    assert max_weight_difference(single, one_step(strategy, batch)) > 10 * SYNCHRONIZED_STEP_TOLERANCE
+    check = GradientParityCheck(build_residual_cnn(seed=3), strategy, *batch)
+    check.on_train_begin()
+    assert check.verdict == "FAIL (expected: BatchNormalization per replica)"
+    assert "its BatchNormalization layers normalize each replica's slice of the batch with that slice's statistics " \
+           "(sync_batchnorm=False)" in capsys.readouterr().err
+    synchronized = GradientParityCheck(build_residual_cnn(seed=3), cnnpar.DataParallel(2), *batch,
+                                       tolerance=10 * SYNCHRONIZED_STEP_TOLERANCE)
+    synchronized.on_train_begin()
+    assert synchronized.verdict == "pass"
+
+
+def test_sync_batchnorm_is_a_flag():
+    with pytest.raises(TypeError, match=r"^sync_batchnorm must be True or False. Received: sync_batchnorm='yes'$"):
+        cnnpar.DataParallel(2, sync_batchnorm="yes")
+    assert isinstance(keras.layers.BatchNormalization().synchronized, bool)
