@@ -50,38 +50,47 @@ def _with_batch_hooks(callbacks):
 
 
 class UserModelCallbacks(keras.callbacks.Callback):
-    """Runs ``callbacks`` against the user's ``model`` while ``strategy`` trains ``prepared`` (see the module)."""
+    """Runs ``callbacks`` against the user's ``model`` while ``strategy`` trains ``prepared`` (see the module).
+
+    Every hook passes the strategy's own ``logs`` dict on, so what a callback
+    adds to it (``ReduceLROnPlateau``'s ``learning_rate``, the checks' figures)
+    reaches the run's CSV and the ``History``.
+    """
 
     def __init__(self, callbacks, model, prepared, strategy):
         super().__init__()
         self.user_model, self.prepared, self.strategy = model, prepared, strategy
-        self.callbacks = keras.callbacks.CallbackList(list(callbacks), model=model)
+        self.callbacks = list(callbacks)
+        for callback in self.callbacks:
+            callback.set_model(model)
         if strategy.batch_hooks:
-            for callback in _with_batch_hooks(callbacks):
+            for callback in _with_batch_hooks(self.callbacks):
                 warnings.warn(f"{type(callback).__name__} has batch-level hooks, which {type(strategy).__name__} "
                               f"calls {strategy.batch_hooks}, not at every step", stacklevel=3)
 
     def set_params(self, params):
         super().set_params(params)
-        self.callbacks.set_params(params)
+        for callback in self.callbacks:
+            callback.set_params(params)
+
+    def _each(self, hook, *args):
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
 
     def on_train_begin(self, logs=None):
         self.user_model.stop_training = False
         self.user_model._initial_epoch = None
-        self.callbacks.on_train_begin(logs)
+        self._each("on_train_begin", logs)
         restored_epoch = self.user_model._initial_epoch
         if restored_epoch:  # BackupAndRestore loaded a backup into the user's model
             rebuild.copy_state(self.user_model, self.prepared)
             self.strategy.reload(self.prepared)
             self.prepared._initial_epoch = restored_epoch
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.callbacks.on_epoch_begin(epoch, logs)
-
     def on_epoch_end(self, epoch, logs=None):
         rebuild.copy_state(self.prepared, self.user_model)
         rate = self._user_learning_rate()
-        self.callbacks.on_epoch_end(epoch, logs)
+        self._each("on_epoch_end", epoch, logs)
         changed = self._user_learning_rate()
         if changed is not None and changed != rate:
             self.prepared.optimizer.learning_rate = changed * self.strategy.lr_factor()
@@ -90,7 +99,7 @@ class UserModelCallbacks(keras.callbacks.Callback):
 
     def train_ended(self, logs=None):
         """``on_train_end``, once the trained state is back in the user's model."""
-        self.callbacks.on_train_end(logs)
+        self._each("on_train_end", logs)
 
     def _user_learning_rate(self):
         """The user's optimizer's constant learning rate, or None under a schedule."""
@@ -99,20 +108,23 @@ class UserModelCallbacks(keras.callbacks.Callback):
             return None
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._each("on_epoch_begin", epoch, logs)
+
     def on_train_batch_begin(self, batch, logs=None):
-        self.callbacks.on_train_batch_begin(batch, logs)
+        self._each("on_train_batch_begin", batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.callbacks.on_train_batch_end(batch, logs)
+        self._each("on_train_batch_end", batch, logs)
 
     def on_test_begin(self, logs=None):
-        self.callbacks.on_test_begin(logs)
+        self._each("on_test_begin", logs)
 
     def on_test_end(self, logs=None):
-        self.callbacks.on_test_end(logs)
+        self._each("on_test_end", logs)
 
     def on_test_batch_begin(self, batch, logs=None):
-        self.callbacks.on_test_batch_begin(batch, logs)
+        self._each("on_test_batch_begin", batch, logs)
 
     def on_test_batch_end(self, batch, logs=None):
-        self.callbacks.on_test_batch_end(batch, logs)
+        self._each("on_test_batch_end", batch, logs)
