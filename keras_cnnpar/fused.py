@@ -9,7 +9,8 @@ learning-rate schedules run around it as before, and the slots stay the Keras
 optimizer's own variables, in its order, so its state moves to and from the
 user's optimizer unchanged. The kernels run wherever the variable lives (on
 every replica under ``MirroredStrategy``, on the parameter servers under
-``ParameterServerStrategy``).
+``ParameterServerStrategy``); DTensor runs them on each device's shard of a
+DVariable, so the tensor-parallel mesh optimizer uses them too.
 
 Optimizers, and the kernels they get:
 

@@ -53,7 +53,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             It is an argument of ``fit``, not of a strategy: it means the same under every one.
         fused_optimizer: apply the optimizer's updates with TensorFlow's fused kernels (``ResourceApplyAdam``
             and kin; see ``cnnpar.fused``), with Keras's results; False keeps Keras's element-wise update,
-            for comparison. The tensor-parallel strategies always use their own mesh optimizer.
+            for comparison (the tensor-parallel mesh optimizer follows the same switch).
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         callbacks: Keras callbacks, run against ``model`` (``self.model`` is the user's model, which holds
