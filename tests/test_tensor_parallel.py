@@ -10,7 +10,7 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import devices, rebuild
 from keras_cnnpar.sharded import ChannelShardedConv2D, ShardedDense, ShardedSequential
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
-from tests.helpers import build_small_cnn, max_difference, max_weight_difference
+from tests.helpers import build_residual_cnn, build_small_cnn, max_difference, max_weight_difference
 
 TWINS = {
     "conv same": (lambda: keras.layers.Conv2D(4, 5, padding="same", activation="relu"), (3, 9, 9, 6)),
@@ -145,3 +145,33 @@ def test_hybrid_validates_its_arguments(kwargs, message):
     with pytest.raises(ValueError) as raised:
         cnnpar.Hybrid(**kwargs)
     assert str(raised.value) == message
+
+
+def functional_chain(seed=0):
+    """``build_small_cnn`` written with the functional API, as the TensorFlow tutorials write CNNs."""
+    sequential = build_small_cnn(seed=seed)
+    inputs = keras.Input((28, 28, 1))
+    outputs = inputs
+    for layer in sequential.layers:
+        outputs = layer(outputs)
+    model = keras.Model(inputs, outputs, name="functional_cnn")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
+def test_a_functional_chain_is_sharded_like_its_sequential_twin(strategy, few_digits):
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    single, sharded = functional_chain(), functional_chain()
+    cnnpar.fit(single, x, y, strategy="single", batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    cnnpar.fit(sharded, x, y, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    assert max_weight_difference(single, functional_chain()) > 1e-3
+    assert max_weight_difference(single, sharded) < 1e-4
+
+
+def test_a_graph_with_a_branch_is_refused_naming_the_layer(few_digits):
+    with pytest.raises(TypeError, match=r"^channel sharding rebuilds a chain of layers \(a keras.Sequential, or a "
+                                        r"functional model without branches\); layer 'skip' takes \['a', 'c'\], "
+                                        r"not only the layer before it. Received: model 'residual_cnn'"):
+        cnnpar.fit(build_residual_cnn(), few_digits[0][:64], few_digits[1][:64], strategy=cnnpar.ChannelSharded(2),
+                   batch_size=64, verbose=0, results_dir=None)

@@ -122,11 +122,44 @@ class Elementwise(tf.Module):
         return self.layer.call(x)
 
 
+def chain_layers(model):
+    """The layers of ``model`` in order, if it is a chain: a ``keras.Sequential``, or a functional model in
+    which every layer takes the previous layer's output; else a ``TypeError`` that names the first branch.
+
+    >>> inputs = keras.Input((4,))
+    >>> hidden = keras.layers.Dense(3, name="hidden")(inputs)
+    >>> [layer.name for layer in chain_layers(keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden)))]
+    ['hidden', 'out']
+    """
+    if isinstance(model, keras.Sequential):
+        return list(model.layers)
+    if not hasattr(model, "_operations"):  # a subclassed model: no graph to read
+        raise TypeError("channel sharding rebuilds a chain of layers: a keras.Sequential, or a functional model "
+                        f"without branches. Received: model of type {type(model).__name__}")
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    previous = None
+    for layer in layers:
+        sources = [tensor._keras_history.operation for node in layer._inbound_nodes
+                   for tensor in keras.tree.flatten(node.input_tensors)]
+        expected = [previous] if previous is not None else None
+        if len(sources) != 1 or (expected is not None and sources != expected) or \
+                (expected is None and not isinstance(sources[0], keras.layers.InputLayer)):
+            raise TypeError(f"channel sharding rebuilds a chain of layers (a keras.Sequential, or a functional model "
+                            f"without branches); layer {layer.name!r} takes "
+                            f"{[source.name for source in sources]}, not only the layer before it. "
+                            f"Received: model {model.name!r} of type {type(model).__name__}")
+        previous = layer
+    if len(model.outputs) != 1 or model.outputs[0]._keras_history.operation is not previous:
+        raise TypeError(f"channel sharding rebuilds a chain of layers whose last layer makes the model's one output. "
+                        f"Received: model {model.name!r} with outputs {[t.name for t in model.outputs]}")
+    return layers
+
+
 class ShardedSequential(tf.Module):
     """A ``keras.Sequential`` CNN on ``mesh``; its weights are DVariables, taken from the Keras model.
 
     Args:
-        model: a built ``keras.Sequential`` of the layers in ``SUPPORTED``.
+        model: a built ``keras.Sequential``, or functional chain, of the layers in ``SUPPORTED``.
         mesh: a DTensor mesh with a ``"model"`` axis, and optionally ``"batch"``.
         compute_dtype: the dtype of the sharded layers' arithmetic, ``"float32"`` or
             ``"bfloat16"`` (mixed precision); the last one, which makes the
@@ -135,14 +168,12 @@ class ShardedSequential(tf.Module):
 
     def __init__(self, model, mesh, compute_dtype="float32"):
         super().__init__(name=model.name)
-        if not isinstance(model, keras.Sequential):
-            raise TypeError("channel sharding rebuilds a keras.Sequential model layer by layer. "
-                            f"Received: model of type {type(model).__name__}")
+        chain = chain_layers(model)
         self.mesh = mesh
         self.step = dtensor.DVariable(to_mesh(np.int64(0), dtensor.Layout.replicated(mesh, 0)), name="step")
         self.layers = []
         sharded, folded = False, None
-        for index, layer in enumerate(model.layers):
+        for index, layer in enumerate(chain):
             op = self._convert(layer, index, sharded, folded)
             if isinstance(layer, keras.layers.Flatten) and sharded:
                 folded = tuple(layer.input.shape[1:])
