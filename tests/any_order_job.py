@@ -1,0 +1,26 @@
+"""One cell of the any-order matrix, written as a Keras user writes a script: ``python tests/any_order_job.py ALIAS``.
+
+Builds the 2+2 CNN, trains it with Keras's own ``fit``, then fits it under the
+strategy ALIAS, evaluates the user's model, and fits it again under "single".
+Prints ``ALIAS ACCURACY``.
+"""
+
+import sys
+
+import keras
+
+import keras_cnnpar as cnnpar
+
+alias = sys.argv[1]
+if alias != "multi-worker":  # a launched worker joined its cluster at import, with one device
+    cnnpar.devices.configure(4)
+digits = cnnpar.data.load()
+train, val = cnnpar.data.split(digits, validation_fraction=0.2, seed=0)
+x, y = train.x[:512], train.y[:512]
+keras.utils.set_random_seed(0)
+model = cnnpar.models.cnn("2+2")
+keras.Model.fit(model, x, y, batch_size=64, epochs=1, verbose=0)  # Keras's own fit, before any strategy
+model.fit(x, y, batch_size=64, epochs=2, strategy=alias, results_dir=None, verbose=0)
+accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
+model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
+print(alias, accuracy)  # under cnnpar launch, the chief's output is the launcher's
