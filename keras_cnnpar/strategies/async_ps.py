@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from keras_cnnpar import arguments, checkpoints, rebuild
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar.strategies import loop
+from keras_cnnpar.strategies import async_remote, loop
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
 
@@ -63,10 +63,13 @@ class AsyncPS(CheckpointedStrategy):
     ends the run with ``PeerLost``, naming it, and ``resume=True`` continues
     from the last checkpoint once the servers are back.
 
-    Create the strategy at the top of the program: this process connects to
-    the cluster as its coordinator, and models built before that cannot be
-    read afterwards (``fit`` refuses them with that reason, before training).
-    The connection lasts for the rest of the process.
+    Created at the top of the program (before TensorFlow runs in the
+    process), the strategy connects this process to the cluster as its
+    coordinator, for the rest of the process. Created later (a model already
+    exists, as with ``fit(strategy="async-ps")``), it leaves this process out
+    of the cluster and trains in a coordinator process of its own
+    (:mod:`keras_cnnpar.strategies.async_remote`), which joining a cluster
+    after models exist requires.
 
     Example (in-process cluster):
 
@@ -119,9 +122,24 @@ class AsyncPS(CheckpointedStrategy):
         self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
+        self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
+                         "staleness_aware": staleness_aware, "steps_per_execution": steps_per_execution,
+                         "timeout": timeout, "checkpoint_dir": self.checkpoint_dir, "resume": self.resume}
+        #: This process already runs TensorFlow, so models exist that joining the cluster would orphan: a
+        #: coordinator process of its own trains instead (``async_remote``).
+        self.remote = _runtime_started()
+        if self.remote:
+            if self.spec is not None:
+                cluster_lib.wait_reachable(self.spec, self.timeout)
+            self.cluster, self._strategy, self.coordinator = self.spec, None, None
+            return
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
         cluster_lib.wait_reachable({job: tasks for job, tasks in self.cluster.items() if job != "chief"}, self.timeout)
         self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True), coordinator)
+
+    def options(self):
+        """The options the coordinator process creates this strategy with; the rate arrives already scaled."""
+        return {**self._options, "scale_lr": None, "resume": self.resume}
 
     @property
     def devices(self):
@@ -143,6 +161,11 @@ class AsyncPS(CheckpointedStrategy):
         return self._strategy
 
     def report(self):
+        if self.remote:
+            return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
+                    f"({'in-process' if self.spec is None else 'external'} cluster), trained by a coordinator "
+                    f"process of its own: this process built its model before the strategy, so it stays out of "
+                    f"the cluster; learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})")
         lines = [f"async-ps: {self.workers} workers, {self.ps} parameter servers "
                  f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
                  f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})"
@@ -153,7 +176,13 @@ class AsyncPS(CheckpointedStrategy):
         return "\n".join(line for line in lines if line)
 
     def prepare(self, model):
-        _check_readable(model)
+        if self.remote:
+            if self.resume:
+                raise ValueError("resume=True needs the strategy created before any model (a model built first "
+                                 "trains in a coordinator process of its own, which starts afresh): create "
+                                 "cnnpar.AsyncPS(..., resume=True) at the top of the program, or run `cnnpar train "
+                                 "--strategy async-ps --resume`. Received: resume=True")
+            return super().prepare(model)
         prepared = super().prepare(model)
         self.build_optimizer(prepared)
         self._held = _bytes_per_task(prepared.weights)
@@ -166,6 +195,10 @@ class AsyncPS(CheckpointedStrategy):
     def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
         steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
+        if self.remote:
+            return async_remote.fit(self, prepared, train, epochs=epochs, steps=steps,
+                                    validation_data=validation_data, validation_steps=validation_steps,
+                                    callbacks=callbacks, initial_epoch=initial_epoch, verbose=verbose)
         rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
         async_loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps),
                                 self.steps_per_execution)
@@ -192,6 +225,8 @@ class AsyncPS(CheckpointedStrategy):
         raise NotImplementedError("each worker reads its own stream, from an offset of its own")
 
     def probe(self):
+        if self.remote:
+            raise NotImplementedError("a probe step would need a coordinator process of its own too")
         probe = super().probe()
         probe.checkpoint_dir, probe.resume = None, False
         return probe
@@ -277,24 +312,11 @@ class _AsyncLoop:
         return group
 
 
-def _check_readable(model):
-    """Refuse, with the reason and the remedy, a model built before this process joined the cluster.
+def _runtime_started():
+    """Whether this process has started TensorFlow's runtime (built a model, made a tensor)."""
+    from tensorflow.python.eager import context
 
-    Joining makes TensorFlow restart its runtime under the cluster's device names,
-    so variables made before are left on a device that no longer exists.
-    """
-    try:
-        for variable in [*model.weights[:1], model.optimizer.iterations]:
-            variable.numpy()
-    except tf.errors.InvalidArgumentError as error:
-        if "not found" not in error.message:
-            raise
-        raise RuntimeError(
-            f"model {model.name!r} was built before this process became AsyncPS's coordinator, and TensorFlow "
-            f"cannot read it since (joining a cluster restarts its runtime under the cluster's device names). "
-            f"Create the strategy first: strategy = cnnpar.AsyncPS(...) before any model is built, then "
-            f"model.fit(..., strategy=strategy); or run `cnnpar train --strategy async-ps`. "
-            f"Received: model={model.name!r}") from None
+    return context.context()._context_handle is not None
 
 
 def _bytes_per_task(variables):
