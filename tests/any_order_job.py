@@ -1,14 +1,16 @@
 """One cell of the any-order matrix, written as a Keras user writes a script: ``python tests/any_order_job.py ALIAS``.
 
 Builds the 2+2 CNN, trains it with Keras's own ``fit``, then fits it under the
-strategy ALIAS with an ``EarlyStopping`` that stops after the second epoch,
-evaluates the user's model, and fits it again under "single". Prints
-``ALIAS EPOCHS ACCURACY``.
+strategy ALIAS on a finite, shuffled, batched ``tf.data`` pipeline of 8
+batches with an ``EarlyStopping`` that stops after the second epoch, evaluates
+the user's model, and fits it again under "single". Prints ``ALIAS EPOCHS
+STEPS ACCURACY``.
 """
 
 import sys
 
 import keras
+import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 
@@ -21,8 +23,11 @@ x, y = train.x[:512], train.y[:512]
 keras.utils.set_random_seed(0)
 model = cnnpar.models.cnn("2+2")
 keras.Model.fit(model, x, y, batch_size=64, epochs=1, verbose=0)  # Keras's own fit, before any strategy
+user_data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(64)  # 8 batches
 stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # stops after the 2nd epoch
-history = model.fit(x, y, batch_size=64, epochs=4, strategy=alias, results_dir=None, verbose=0, callbacks=[stop])
+before = int(model.optimizer.iterations.numpy())
+history = model.fit(user_data, epochs=4, strategy=alias, results_dir=None, verbose=0, callbacks=[stop])
+steps = int(model.optimizer.iterations.numpy()) - before
 accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
 model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
-print(alias, len(history.history["loss"]), accuracy)  # under cnnpar launch, the chief's output is the launcher's
+print(alias, len(history.history["loss"]), steps, accuracy)  # under cnnpar launch, the chief's output is the launcher's
