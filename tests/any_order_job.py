@@ -14,20 +14,25 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 
-alias = sys.argv[1]
-if alias != "multi-worker":  # a launched worker joined its cluster at import, with one device
-    cnnpar.devices.configure(4)
-digits = cnnpar.data.load()
-train, val = cnnpar.data.split(digits, validation_fraction=0.2, seed=0)
-x, y = train.x[:512], train.y[:512]
-keras.utils.set_random_seed(0)
-model = cnnpar.models.cnn("2+2")
-keras.Model.fit(model, x, y, batch_size=64, epochs=1, verbose=0)  # Keras's own fit, before any strategy
-user_data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(64)  # 8 batches
-stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # stops after the 2nd epoch
-before = int(model.optimizer.iterations.numpy())
-history = model.fit(user_data, epochs=4, strategy=alias, results_dir=None, verbose=0, callbacks=[stop])
-steps = int(model.optimizer.iterations.numpy()) - before
-accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
-model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
-print(alias, len(history.history["loss"]), steps, accuracy)  # under cnnpar launch, the chief's output is the launcher's
+
+def main(alias):
+    if alias != "multi-worker":  # a launched worker joined its cluster at import, with one device
+        cnnpar.devices.configure(4)
+    digits = cnnpar.data.load()
+    train, val = cnnpar.data.split(digits, validation_fraction=0.2, seed=0)
+    x, y = train.x[:512], train.y[:512]
+    keras.utils.set_random_seed(0)
+    model = cnnpar.models.cnn("2+2")
+    keras.Model.fit(model, x, y, batch_size=64, epochs=1, verbose=0)  # Keras's own fit, before any strategy
+    user_data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(64)  # 8 batches
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # stops after the 2nd epoch
+    before = int(model.optimizer.iterations.numpy())
+    history = model.fit(user_data, epochs=4, strategy=alias, results_dir=None, verbose=0, callbacks=[stop])
+    steps = int(model.optimizer.iterations.numpy()) - before
+    accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
+    model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
+    print(alias, len(history.history["loss"]), steps, accuracy)  # under cnnpar launch, the chief's output shows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
