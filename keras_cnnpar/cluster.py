@@ -394,13 +394,13 @@ def _start_worker(command, task, logs, extra_env=None):
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                                start_new_session=True, preexec_fn=die_with(os.getpid()))
     finally:
         if output:
             output.close()
 
 
-def _die_with(parent):
+def die_with(parent):
     """A ``preexec_fn`` that makes the child die with ``parent`` (Linux ``PR_SET_PDEATHSIG``), or None elsewhere.
 
     A launcher that is SIGKILLed, or whose terminal closes, then leaves no

@@ -165,16 +165,16 @@ def descendants(pid):
 def suite_processes():
     """Pids of live processes started by this test session (they carry ``SUITE_MARK`` in their environment)."""
     mark = f"{SUITE_MARK}={os.environ[SUITE_MARK]}".encode()
-    alive = []
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             if mark in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
-                alive.append(int(entry.name))
+                found.append(int(entry.name))
         except OSError:
             continue
-    return alive
+    return found
 
 
 def alive(pid):

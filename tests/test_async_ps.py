@@ -11,7 +11,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -20,7 +22,9 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import cli, cluster
 from tests.helpers import (
     ENV,
+    alive,
     cnnpar_command,
+    descendants,
     epoch_column,
     processes,
     suite_processes,
@@ -238,3 +242,31 @@ def test_cluster_serve_refuses_a_task_that_is_not_on_this_host(tmp_path, task, m
     result = CliRunner().invoke(cli.main, ["cluster", "serve", "--cluster", str(spec), "--job", job, "--index", index])
     assert result.exit_code == 2
     assert message in " ".join(result.output.replace("│", " ").split())
+
+
+def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
+    # Epochs of 2,500 steps: killed mid-epoch, the coordinator writes nothing to its parent for many seconds,
+    # so only dying with it (not a broken pipe) ends it within the 5 s allowed.
+    script = ("import numpy as np, keras_cnnpar as cnnpar\n"
+              "model = cnnpar.models.cnn('2+2')\n"  # built first: the run goes to a coordinator process
+              "digits = cnnpar.data.load()\n"
+              "x, y = np.concatenate([digits.x] * 4), np.concatenate([digits.y] * 4)\n"
+              "model.fit(x, y, batch_size=8, epochs=50, strategy='async-ps', results_dir=None, verbose=0)\n")
+
+    def coordinators(pid):
+        return [child for child in descendants(pid)
+                if b"async_remote" in Path(f"/proc/{child}/cmdline").read_bytes()] if alive(pid) else []
+
+    with processes([[sys.executable, "-c", script]], tmp_path, [ENV]) as (user,):
+        deadline = time.monotonic() + 120
+        while not coordinators(user.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(10)  # the coordinator starts its servers (printing to its stdout) and trains
+        children = descendants(user.pid)
+        assert coordinators(user.pid)
+        os.kill(user.pid, signal.SIGKILL)
+        user.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in children)  # the coordinator died with the process that started it

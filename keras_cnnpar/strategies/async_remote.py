@@ -20,6 +20,7 @@ have read; the folder holds ``epochs`` passes of the data until the run ends.
 """
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import rebuild
+from keras_cnnpar import cluster, rebuild
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import create
 from keras_cnnpar.subprocesses import python_command
@@ -53,7 +54,8 @@ def fit(strategy, prepared, train, *, epochs, steps, validation_data, validation
             "fit": {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
                     "validation_steps": validation_steps if validation_data is not None else None}}))
         child = subprocess.Popen(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder)),
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 preexec_fn=cluster.die_with(os.getpid()))  # killed, the user's process leaves none
         try:
             history = loop.run_epochs(
                 prepared, lambda epoch, _: _next_epoch(child, folder, prepared), epochs=epochs, steps=steps,
