@@ -1,7 +1,6 @@
 """BatchNormalization under data parallelism: synchronized statistics give Single's step; per-replica ones do not,
 and the parity check says why."""
 
-import keras
 import pytest
 
 import keras_cnnpar as cnnpar
@@ -51,4 +50,3 @@ def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, sing
 def test_sync_batchnorm_is_a_flag():
     with pytest.raises(TypeError, match=r"^sync_batchnorm must be True or False. Received: sync_batchnorm='yes'$"):
         cnnpar.DataParallel(2, sync_batchnorm="yes")
-    assert isinstance(keras.layers.BatchNormalization().synchronized, bool)

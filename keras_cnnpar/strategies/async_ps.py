@@ -124,7 +124,7 @@ class AsyncPS(CheckpointedStrategy):
             cluster_lib.check_coordinator(coordinator)
         self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
                          "staleness_aware": staleness_aware, "steps_per_execution": steps_per_execution,
-                         "timeout": timeout, "checkpoint_dir": self.checkpoint_dir, "resume": self.resume}
+                         "timeout": timeout, "checkpoint_dir": self.checkpoint_dir}
         #: This process already runs TensorFlow, so models exist that joining the cluster would orphan: a
         #: coordinator process of its own trains instead (``async_remote``).
         self.remote = _runtime_started()
