@@ -47,7 +47,8 @@ def main():
 
 @main.command()
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
-              help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers.")
+              help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers; resnet: a residual CNN with "
+                   "BatchNormalization (functional).")
 @click.option("--strategy", "strategy_name", type=click.Choice(registry.names()), default="single",
               show_default=True,
               help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries()) + ".")

@@ -38,6 +38,7 @@ FRAMEWORK = "keras_tensorflow"
 MODEL_NAMES = {
     "2+2": "cnn2d_2layer_fullconnected_2layer",
     "3+3": "cnn2d_3layer_fullconnected_3layer",
+    "resnet": "cnn2d_resnet_3stage",
 }
 
 RUNS_CSV = "runs.csv"
@@ -77,7 +78,7 @@ def run_file_name(model_name, strategy, devices, suffix=".csv"):
 
 
 def kind_of(file_name):
-    """The model kind (``"2+2"`` or ``"3+3"``) whose run files start like ``file_name``, else None."""
+    """The model kind (``"2+2"``, ``"3+3"`` or ``"resnet"``) whose run files start like ``file_name``, else None."""
     return next((kind for kind, name in MODEL_NAMES.items() if Path(file_name).name.startswith(name + "_")), None)
 
 

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, cluster, training
+from keras_cnnpar import cli, cluster, models, training
 
 #: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
 FLOORS = {"2+2": 0.93, "3+3": 0.92}
@@ -83,6 +83,31 @@ def build_residual_cnn(seed=0, learning_rate=0.1):
     model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     return model
+
+
+def build_resnet(seed=0, learning_rate=0.1, dtype="float32"):
+    """The ``"resnet"`` model kind with its variables and arithmetic in ``dtype``, compiled with plain SGD.
+
+    Its parity tests build it in float64: in float32 its BatchNormalization gradients round too far for a
+    1e-5 comparison (see ``SYNCHRONIZED_STEP_TOLERANCE``); in float64 every strategy's step is exact to 1e-9.
+    """
+    keras.utils.set_random_seed(seed)
+    weights = models.cnn("resnet").get_weights()  # the float32 initial weights, whatever the dtype
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        model = models.cnn("resnet")
+    finally:
+        keras.config.set_dtype_policy(previous)
+    model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def build_resnet_float64(seed=0):
+    """``build_resnet`` in float64 (a builder a worker process can name)."""
+    return build_resnet(seed, dtype="float64")
 
 
 def max_weight_difference(a, b):

@@ -6,7 +6,7 @@ Modes:
   ``MultiWorker``; every worker saves its weights to ``OUT.<index>.npz``.
 - ``accumulate``: the same 64 digits as 2 micro-batches of 32 under
   ``MultiWorker(accumulate=2)``: one update, one gradient sync.
-- ``residual``: one SGD step of the residual test CNN (BatchNormalization,
+- ``residual``: one SGD step of the resnet model in float64 (BatchNormalization,
   synchronized across the workers) on the same 64 digits.
 - ``shards``: every worker writes the example indices its slices of the batches
   held, over two epochs of a shuffled pipeline, to ``OUT.<index>.json``.
@@ -56,5 +56,5 @@ if __name__ == "__main__":
     # First: join the cluster before TensorFlow starts.
     worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=2 if mode == "accumulate" else 1)
     {"step": one_step, "accumulate": lambda strategy, out: one_step(strategy, out, batch_size=32),
-     "residual": lambda strategy, out: one_step(strategy, out, builder="build_residual_cnn"),
+     "residual": lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64"),
      "shards": shards}[mode](worker, out)

@@ -9,7 +9,8 @@ confused with the ``"layers"`` strategy (layer placement); the old name
 ('Conv2D', 'Dense', 'MaxPooling2D')
 """
 
-from keras_cnnpar.sharded.layers import ChannelShardedConv2D, ShardedDense
-from keras_cnnpar.sharded.model import SUPPORTED, ShardedSequential
+from keras_cnnpar.sharded.layers import ChannelShardedConv2D, ShardedBatchNormalization, ShardedDense
+from keras_cnnpar.sharded.model import SUPPORTED, ShardedModel, ShardedSequential
 
-__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedDense", "ShardedSequential"]
+__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedBatchNormalization", "ShardedDense", "ShardedModel",
+           "ShardedSequential"]

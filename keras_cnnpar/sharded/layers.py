@@ -79,7 +79,28 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-class ShardedLayer(tf.Module):
+class WeightedModule(tf.Module):
+    """A module whose weights are DVariables that mirror a Keras layer's: its order, shapes and trainable flags."""
+
+    #: The DVariables in the Keras twin's weight order, and how many of them (the first) are trainable.
+    variables_in_order, trainable_count = (), 0
+
+    @property
+    def trainable_in_order(self):
+        """The trainable DVariables, in Keras's order (the ones the optimizer updates)."""
+        return list(self.variables_in_order[:self.trainable_count])
+
+    def get_weights(self):
+        """The weights as numpy arrays in the Keras twin's shapes."""
+        return [to_numpy(v).reshape(shape) for v, shape in zip(self.variables_in_order, self.keras_shapes)]
+
+    def set_weights(self, weights):
+        """Load weights given in the Keras twin's shapes."""
+        for variable, value in zip(self.variables_in_order, weights):
+            variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
+
+
+class ShardedLayer(WeightedModule):
     """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
 
     def __init__(self, layer, mesh, mode, kernel_shape):
@@ -95,14 +116,17 @@ class ShardedLayer(tf.Module):
         sharded_axis = len(kernel_shape) - (1 if mode == "column" else 2)
         self.kernel_layout = tuple("model" if axis == sharded_axis else UNSHARDED for axis in range(len(kernel_shape)))
         self.keras_shapes = [tuple(w.shape) for w in layer.get_weights()]
-        self.kernel = dtensor.DVariable(to_mesh(np.zeros(kernel_shape, "float32"),
+        dtype = layer.variable_dtype
+        self.kernel = dtensor.DVariable(to_mesh(np.zeros(kernel_shape, dtype),
                                                 dtensor.Layout(self.kernel_layout, mesh)), name="kernel")
         bias_layout = dtensor.Layout(["model" if mode == "column" else UNSHARDED], mesh)
-        self.bias = dtensor.DVariable(to_mesh(np.zeros(kernel_shape[-1:], "float32"), bias_layout), name="bias") \
+        self.bias = dtensor.DVariable(to_mesh(np.zeros(kernel_shape[-1:], dtype), bias_layout), name="bias") \
             if self.use_bias else None
+        self.variables_in_order = [self.kernel] + ([self.bias] if self.use_bias else [])
+        self.trainable_count = len(self.variables_in_order)
         self.set_weights(layer.get_weights())
-        #: The dtype of the layer's arithmetic: its input, kernel and bias are cast to it (weights stay float32).
-        self.compute_dtype = tf.float32
+        #: The dtype of the layer's arithmetic: its input, kernel and bias are cast to it (weights keep theirs).
+        self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
     def _check_divisible(self, name, kernel_shape):
         shards = self.mesh.dim_size("model")
@@ -113,20 +137,6 @@ class ShardedLayer(tf.Module):
                 f"layer {name!r} ({self.mode} mode) has {channels} {side} channels, which do not split over "
                 f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}. "
                 f"Received: model shards={shards}")
-
-    @property
-    def variables_in_order(self):
-        """The DVariables in Keras's weight order (kernel, bias)."""
-        return [self.kernel] + ([self.bias] if self.use_bias else [])
-
-    def get_weights(self):
-        """The weights as numpy arrays in the Keras twin's shapes."""
-        return [to_numpy(v).reshape(shape) for v, shape in zip(self.variables_in_order, self.keras_shapes)]
-
-    def set_weights(self, weights):
-        """Load weights given in the Keras twin's shapes."""
-        for variable, value in zip(self.variables_in_order, weights):
-            variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
 
     def output_sharded(self):
         """Whether the channels this layer returns are sharded."""
@@ -240,6 +250,106 @@ class ShardedDense(ShardedLayer):
         y = tf.einsum(f"b{axes},{axes}o->bo", tf.cast(x, self.compute_dtype), tf.cast(self.kernel, self.compute_dtype))
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
+
+
+class ShardedBatchNormalization(WeightedModule):
+    """A ``keras.layers.BatchNormalization`` over the channels (last axis), on channels whole or sharded.
+
+    Gamma, beta and the moving mean and variance are laid out like the
+    channels: with sharded channels each device normalizes its own channels
+    over the whole batch, which needs no communication over ``"model"``. The
+    batch statistics are taken over the global batch: on a mesh with a
+    ``"batch"`` axis DTensor all-reduces them over it (synchronized, as
+    ``BatchNormalization(synchronized=True)`` under tf.distribute). With
+    ``synchronized=False`` each ``"batch"`` replica normalizes its slice with
+    its slice's statistics, and the moving statistics take the mean of the
+    replicas' (as Keras's per-replica BatchNormalization under
+    ``MirroredStrategy`` does). The arithmetic is float32 (float64 for float64
+    input), as in Keras.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> norm = keras.layers.BatchNormalization()
+    >>> x = np.random.default_rng(0).random((4, 3, 3, 6), dtype="float32")
+    >>> reference = norm(x, training=True).numpy()
+    >>> sharded = ShardedBatchNormalization(keras.layers.BatchNormalization(), mesh, channels_sharded=True)
+    >>> bool(np.allclose(sharded.forward(x), reference, atol=1e-5))
+    True
+
+    Args:
+        layer: the built ``keras.layers.BatchNormalization`` to copy (``axis=-1``, no renorm).
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        channels_sharded: whether its input's channels are sharded over ``"model"``.
+        synchronized: batch statistics over the global batch (True) or per ``"batch"`` replica.
+    """
+
+    def __init__(self, layer, mesh, channels_sharded=False, synchronized=True):
+        super().__init__(name=layer.name)
+        if not layer.built:
+            raise ValueError(f"layer {layer.name!r} must be built (a model with a known input shape). "
+                             f"Received: an unbuilt {type(layer).__name__}")
+        axes = [axis % len(layer.input.shape) for axis in np.atleast_1d(layer.axis)]
+        if axes != [len(layer.input.shape) - 1] or layer.renorm:
+            raise ValueError(f"channel sharding supports BatchNormalization over the last axis without renorm; "
+                             f"layer {layer.name!r} has axis={layer.axis!r}, renorm={layer.renorm!r}. "
+                             f"Received: axis={layer.axis!r}, renorm={layer.renorm!r}")
+        self.mesh, self.sharded = mesh, channels_sharded
+        self.synchronized = synchronized
+        self.momentum, self.epsilon = layer.momentum, layer.epsilon
+        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
+        layout = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
+        variables = {w.name: dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), layout), name=w.name)
+                     for w in layer.weights}
+        self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
+        self.moving_mean, self.moving_variance = variables["moving_mean"], variables["moving_variance"]
+        self.variables_in_order = list(variables.values())
+        self.trainable_count = int(layer.scale) + int(layer.center)
+        self.set_weights(layer.get_weights())
+
+    @property
+    def mode(self):
+        return "sharded" if self.sharded else "whole"
+
+    def __call__(self, x, training=False):
+        dtype = x.dtype
+        x = tf.cast(x, tf.float64 if dtype == tf.float64 else tf.float32)
+        if training:
+            mean, variance = self._moments(x)
+            self.moving_mean.assign(self.moving_mean * self.momentum + self._replica_mean(mean) * (1 - self.momentum))
+            self.moving_variance.assign(self.moving_variance * self.momentum
+                                        + self._replica_mean(variance) * (1 - self.momentum))
+        else:
+            mean, variance = self.moving_mean.read_value(), self.moving_variance.read_value()
+        y = tf.nn.batch_normalization(self._per_replica(x), mean, variance, self.beta, self.gamma, self.epsilon)
+        return tf.cast(tf.reshape(y, x.shape) if self._replicas(x) > 1 else y, dtype)
+
+    def forward(self, x):
+        """This layer alone in training mode on numpy input: for tests and examples."""
+        layout = activation_layout(self.mesh, np.shape(x), self.sharded)
+        return to_numpy(tf.function(lambda x: self(x, training=True))(to_mesh(x, layout)))
+
+    def _replicas(self, x):
+        """How many slices of the batch are normalized separately: the ``"batch"`` replicas when unsynchronized."""
+        if self.synchronized or "batch" not in self.mesh.dim_names:
+            return 1
+        replicas = self.mesh.dim_size("batch")
+        return replicas if x.shape[0] % replicas == 0 else 1  # an undivided batch: every replica has all of it
+
+    def _per_replica(self, x):
+        replicas = self._replicas(x)
+        return x if replicas == 1 else tf.reshape(x, [replicas, x.shape[0] // replicas, *x.shape[1:]])
+
+    def _moments(self, x):
+        sliced = self._per_replica(x)
+        axes = list(range(sliced.shape.rank - 1))[-(x.shape.rank - 1):]  # all but the channels (and the replica)
+        return tf.nn.moments(sliced, axes, keepdims=sliced.shape.rank != x.shape.rank)
+
+    def _replica_mean(self, statistic):
+        return tf.reshape(tf.reduce_mean(statistic, axis=0), [-1]) if statistic.shape.rank > 1 else statistic
 
 
 def same_padding(size, window, strides, padding):

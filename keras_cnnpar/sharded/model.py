@@ -1,11 +1,17 @@
-"""A Keras ``Sequential`` CNN rebuilt on a DTensor mesh: sharded Conv2D/Dense, and the layers between them.
+"""A Keras CNN rebuilt on a DTensor mesh: sharded Conv2D/Dense, BatchNormalization, and the layers between them.
 
-Sharded layers alternate between column and row mode, starting with column:
-a layer whose input channels are sharded runs in row mode, else in column
-mode. Pooling, padding, dropout and activations keep the layout they get. A
-``Flatten`` of sharded channels is folded into the ``Dense`` after it, which
-then holds its kernel as ``(h, w, c, units)`` sharded on ``c``. The output of
-the model always has whole channels.
+The model is a ``keras.Sequential`` or a functional graph (one input, one
+output, each layer called once). Its layers run in a topological order of the
+graph, and each tensor keeps a layout: channels whole or sharded over
+``"model"``. A Conv2D or Dense whose input channels are sharded runs in row
+mode, else in column mode, so a chain alternates column and row as Megatron
+pairs its layers. BatchNormalization, pooling, padding, dropout and
+activations keep the layout they get; an ``Add`` (or another elementwise
+merge) of a sharded and a whole tensor first cuts the whole one into shards
+(a re-layout without communication); ``Concatenate`` gathers its inputs'
+channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
+after it, which then holds its kernel as ``(h, w, c, units)`` sharded on
+``c``. The output of the model always has whole channels.
 
 Example:
 
@@ -14,7 +20,7 @@ Example:
 >>> from keras_cnnpar import devices, models
 >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
 >>> model = models.cnn("2+2")
->>> sharded = ShardedSequential(model, mesh)
+>>> sharded = ShardedModel(model, mesh)
 >>> [(type(layer).__name__, layer.mode) for layer in sharded.sharded_layers]  # doctest: +NORMALIZE_WHITESPACE
 [('ChannelShardedConv2D', 'column'), ('ChannelShardedConv2D', 'row'),
  ('ShardedDense', 'column'), ('ShardedDense', 'row')]
@@ -23,7 +29,9 @@ Example:
 True
 """
 
+import functools
 import math
+import typing
 
 import keras
 import numpy as np
@@ -33,8 +41,10 @@ from tensorflow.experimental import dtensor
 from keras_cnnpar.sharded.layers import (
     CHANNEL_MIXING,
     ChannelShardedConv2D,
+    ShardedBatchNormalization,
     ShardedDense,
     ShardedLayer,
+    WeightedModule,
     activation_layout,
     same_padding,
     to_mesh,
@@ -42,8 +52,11 @@ from keras_cnnpar.sharded.layers import (
     windows,
 )
 
-SUPPORTED = ("Conv2D", "Dense", "MaxPooling2D", "AveragePooling2D", "ZeroPadding2D", "Flatten", "Dropout",
-             "Activation", "ReLU", "LeakyReLU", "ELU", "Softmax")
+#: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
+ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
+             "GlobalMaxPooling2D", "ZeroPadding2D", "Flatten", "Dropout", *ELEMENTWISE, "Add", "Subtract",
+             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -122,139 +135,244 @@ class Elementwise(tf.Module):
         return self.layer.call(x)
 
 
-def chain_layers(model):
-    """The layers of ``model`` in order, if it is a chain: a ``keras.Sequential``, or a functional model in
-    which every layer takes the previous layer's output; else a ``TypeError`` that names the first branch.
+class Merge(tf.Module):
+    """An elementwise merge (``Add``, ``Subtract``, ``Multiply``, ``Average``, ``Maximum``, ``Minimum``) of
+    tensors with one layout: ``channels_sharded`` (each input re-laid out to it)."""
+
+    FUNCTIONS: typing.ClassVar = {
+        "Add": tf.add_n, "Average": lambda xs: tf.add_n(xs) / len(xs),
+        "Subtract": lambda xs: xs[0] - xs[1], "Multiply": lambda xs: functools.reduce(tf.multiply, xs),
+        "Maximum": lambda xs: functools.reduce(tf.maximum, xs), "Minimum": lambda xs: functools.reduce(tf.minimum, xs)}
+
+    def __init__(self, layer, mesh, channels_sharded):
+        super().__init__(name=layer.name)
+        self.function, self.mesh, self.sharded = self.FUNCTIONS[type(layer).__name__], mesh, channels_sharded
+
+    def __call__(self, *xs, training=False):
+        return self.function([dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded)) for x in xs])
+
+
+class Concatenate(tf.Module):
+    """``Concatenate`` on the channel axis: the inputs' channels are gathered whole first."""
+
+    def __init__(self, layer, mesh):
+        super().__init__(name=layer.name)
+        rank = len(layer.output.shape)
+        if layer.axis % rank != rank - 1:
+            raise ValueError(f"channel sharding concatenates on the channel (last) axis only; layer {layer.name!r} "
+                             f"has axis={layer.axis}. Received: axis={layer.axis}")
+        self.mesh = mesh
+
+    def __call__(self, *xs, training=False):
+        return tf.concat([dtensor.relayout(x, activation_layout(self.mesh, x.shape)) for x in xs], axis=-1)
+
+
+class GlobalPooling(tf.Module):
+    """``GlobalAveragePooling2D`` or ``GlobalMaxPooling2D``: a mean or maximum over the spatial axes."""
+
+    def __init__(self, layer):
+        super().__init__(name=layer.name)
+        self.reduce = tf.reduce_max if isinstance(layer, keras.layers.GlobalMaxPooling2D) else tf.reduce_mean
+        self.keepdims = layer.keepdims
+
+    def __call__(self, x, training=False):
+        return self.reduce(x, axis=[1, 2], keepdims=self.keepdims)
+
+
+class _Tensor(typing.NamedTuple):
+    """What is known of a tensor before it runs: its channels sharded, a Flatten folded into it (the unflattened
+    shape of one example), and whether a gradient flows into it (something before it has weights)."""
+
+    sharded: bool
+    folded: tuple | None
+    differentiable: bool
+
+
+class _Node(typing.NamedTuple):
+    """One layer call: the module that runs it (None: pass the input through), its input and output keys."""
+
+    op: tf.Module | None
+    inputs: tuple
+    output: object
+
+
+def layer_graph(model):
+    """The layers of ``model`` with the keys of the tensors they take and make: ``(input key, [(layer, input
+    keys, output key)] in a topological order, output key)``; a ``TypeError`` for what is not such a graph.
 
     >>> inputs = keras.Input((4,))
     >>> hidden = keras.layers.Dense(3, name="hidden")(inputs)
-    >>> [layer.name for layer in chain_layers(keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden)))]
+    >>> _, calls, _ = layer_graph(keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden)))
+    >>> [layer.name for layer, _, _ in calls]
     ['hidden', 'out']
     """
     if isinstance(model, keras.Sequential):
-        return list(model.layers)
-    if not hasattr(model, "_operations"):  # a subclassed model: no graph to read
-        raise TypeError("channel sharding rebuilds a chain of layers: a keras.Sequential, or a functional model "
-                        f"without branches. Received: model of type {type(model).__name__}")
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
-    previous = None
-    for layer in layers:
-        sources = [tensor._keras_history.operation for node in layer._inbound_nodes
-                   for tensor in keras.tree.flatten(node.input_tensors)]
-        expected = [previous] if previous is not None else None
-        if len(sources) != 1 or (expected is not None and sources != expected) or \
-                (expected is None and not isinstance(sources[0], keras.layers.InputLayer)):
-            raise TypeError(f"channel sharding rebuilds a chain of layers (a keras.Sequential, or a functional model "
-                            f"without branches); layer {layer.name!r} takes "
-                            f"{[source.name for source in sources]}, not only the layer before it. "
-                            f"Received: model {model.name!r} of type {type(model).__name__}")
-        previous = layer
-    if len(model.outputs) != 1 or model.outputs[0]._keras_history.operation is not previous:
-        raise TypeError(f"channel sharding rebuilds a chain of layers whose last layer makes the model's one output. "
-                        f"Received: model {model.name!r} with outputs {[t.name for t in model.outputs]}")
-    return layers
+        layers = list(model.layers)
+        return 0, [(layer, (i,), i + 1) for i, layer in enumerate(layers)], len(layers)
+    if not hasattr(model, "_nodes_by_depth"):  # a subclassed model: no graph to read
+        raise TypeError("channel sharding rebuilds a model's graph of layers: a keras.Sequential or a functional "
+                        f"model. Received: model of type {type(model).__name__}")
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise TypeError(f"channel sharding rebuilds a model with one input and one output. Received: model "
+                        f"{model.name!r} with {len(model.inputs)} inputs and {len(model.outputs)} outputs")
+    calls = []
+    for depth in sorted(model._nodes_by_depth, reverse=True):
+        for node in model._nodes_by_depth[depth]:
+            if node.is_input:
+                continue
+            layer = node.operation
+            if not isinstance(layer, keras.layers.Layer):
+                raise TypeError(f"channel sharding converts layers; the model calls the operation "
+                                f"{type(layer).__name__} ({layer.name!r}) on tensors: use a layer instead, for "
+                                f"example keras.layers.Add()([a, b]) for a + b. Received: operation {layer.name!r}")
+            calls.append((layer, tuple(id(t) for t in keras.tree.flatten(node.input_tensors)), id(node.outputs[0])))
+    names = [layer.name for layer, _, _ in calls]
+    shared = sorted({name for name in names if names.count(name) > 1})
+    if shared:
+        raise TypeError(f"channel sharding converts each layer once; the model calls {shared} more than once "
+                        f"(shared weights). Received: model {model.name!r}")
+    return id(model.inputs[0]), calls, id(model.outputs[0])
 
 
-class ShardedSequential(tf.Module):
-    """A ``keras.Sequential`` CNN on ``mesh``; its weights are DVariables, taken from the Keras model.
+class ShardedModel(tf.Module):
+    """A Keras CNN (``Sequential`` or functional) on ``mesh``; its weights are DVariables, taken from the model.
 
     Args:
-        model: a built ``keras.Sequential``, or functional chain, of the layers in ``SUPPORTED``.
+        model: a built ``keras.Sequential`` or functional model of the layers in ``SUPPORTED``.
         mesh: a DTensor mesh with a ``"model"`` axis, and optionally ``"batch"``.
-        compute_dtype: the dtype of the sharded layers' arithmetic, ``"float32"`` or
-            ``"bfloat16"`` (mixed precision); the last one, which makes the
-            output, always computes in float32.
+        compute_dtype: None (each layer computes in its Keras layer's dtype), or
+            ``"bfloat16"`` for mixed precision: every sharded layer but the
+            last one, which makes the output, computes in it.
+        sync_batchnorm: BatchNormalization statistics over the global batch
+            (True) or over each ``"batch"`` replica's slice of it.
     """
 
-    def __init__(self, model, mesh, compute_dtype="float32"):
+    def __init__(self, model, mesh, compute_dtype=None, sync_batchnorm=True):
         super().__init__(name=model.name)
-        chain = chain_layers(model)
-        self.mesh = mesh
+        self.mesh, self.sync_batchnorm = mesh, sync_batchnorm
         self.step = dtensor.DVariable(to_mesh(np.int64(0), dtensor.Layout.replicated(mesh, 0)), name="step")
-        self.layers = []
-        sharded, folded = False, None
-        for index, layer in enumerate(chain):
-            op = self._convert(layer, index, sharded, folded)
-            if isinstance(layer, keras.layers.Flatten) and sharded:
-                folded = tuple(layer.input.shape[1:])
-            if isinstance(op, ShardedLayer):
-                sharded, folded = op.output_sharded(), None
-            elif isinstance(op, Elementwise) and op.mixing:
-                sharded = False
-            if op is not None:
-                self.layers.append(op)
-        if self.sharded_layers and isinstance(self.sharded_layers[0], ChannelShardedConv2D):
-            self.sharded_layers[0].input_gradient = False  # nothing before it has weights
-        for layer in self.sharded_layers[:-1]:
+        self.input_key, calls, self.output_key = layer_graph(model)
+        tensors = {self.input_key: _Tensor(False, None, False)}
+        self.nodes, converted = [], {}
+        for index, (layer, inputs, output) in enumerate(calls):
+            op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs])
+            self.nodes.append(_Node(op, inputs, output))
+            converted[layer.name] = op
+        #: The modules with weights, in the Keras model's layer order (its weight order).
+        self.weighted = [converted[layer.name] for layer in model.layers
+                         if isinstance(converted.get(layer.name), WeightedModule)]
+        for layer in self.sharded_layers[:-1] if compute_dtype else ():
             layer.compute_dtype = tf.as_dtype(compute_dtype)
 
-    def _convert(self, layer, index, sharded, folded):
-        mode = "row" if sharded else "column"
+    def _convert(self, layer, index, inputs):
+        """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
         kind = type(layer).__name__
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}. Received: layer={layer.name!r} ({kind})")
+        first = inputs[0]
+        differentiable = any(t.differentiable for t in inputs)
+        if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
+            raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
+                             f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
         if kind == "Conv2D":
-            return ChannelShardedConv2D(layer, self.mesh, mode)
+            op = ChannelShardedConv2D(layer, self.mesh, "row" if first.sharded else "column")
+            op.input_gradient = differentiable
+            return op, _Tensor(op.output_sharded(), None, True)
         if kind == "Dense":
-            return ShardedDense(layer, self.mesh, mode, input_shape=folded)
+            op = ShardedDense(layer, self.mesh, "row" if first.sharded else "column", input_shape=first.folded)
+            return op, _Tensor(op.output_sharded(), None, True)
+        if kind == "BatchNormalization":
+            op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
+            return op, _Tensor(first.sharded, None, True)
+        if kind in Merge.FUNCTIONS:
+            sharded = any(t.sharded for t in inputs)
+            return Merge(layer, self.mesh, sharded), _Tensor(sharded, None, differentiable)
+        if kind == "Concatenate":
+            return Concatenate(layer, self.mesh), _Tensor(False, None, differentiable)
+        if kind == "Flatten" and first.sharded:
+            return None, _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
+        op = self._pass_through(layer, kind, index)
+        sharded = first.sharded and not (isinstance(op, Elementwise) and op.mixing)
+        return op, _Tensor(sharded, first.folded, differentiable)
+
+    def _pass_through(self, layer, kind, index):
+        """The module of a layer without weights that keeps its input's channel layout."""
         if kind in ("MaxPooling2D", "AveragePooling2D"):
             return Pooling(layer)
+        if kind in ("GlobalAveragePooling2D", "GlobalMaxPooling2D"):
+            return GlobalPooling(layer)
         if kind == "ZeroPadding2D":
             return Padding(layer)
         if kind == "Flatten":
-            return None if sharded else Flatten(layer)
+            return Flatten(layer)
         if kind == "Dropout":
             return Dropout(layer, self.step, index)
         return Elementwise(layer, self.mesh)
 
     @property
     def sharded_layers(self):
-        return [layer for layer in self.layers if isinstance(layer, ShardedLayer)]
+        """The sharded Conv2D and Dense layers, in the model's layer order."""
+        return [layer for layer in self.weighted if isinstance(layer, ShardedLayer)]
 
     @property
     def weights(self):
-        """The DVariables in the Keras model's weight order."""
-        return [v for layer in self.sharded_layers for v in layer.variables_in_order]
+        """All DVariables in the Keras model's weight order (``model.weights``)."""
+        return [v for layer in self.weighted for v in layer.variables_in_order]
+
+    @property
+    def trainable_weights(self):
+        """The trainable DVariables in the Keras model's order (``model.trainable_weights``)."""
+        return [v for layer in self.weighted for v in layer.trainable_in_order]
 
     def get_weights(self):
         """Numpy weights in the Keras model's order and shapes."""
-        return [w for layer in self.sharded_layers for w in layer.get_weights()]
+        return [w for layer in self.weighted for w in layer.get_weights()]
 
     def set_weights(self, weights):
         """Load weights given in the Keras model's order and shapes."""
         weights = list(weights)
-        for layer in self.sharded_layers:
+        for layer in self.weighted:
             count = len(layer.variables_in_order)
             layer.set_weights(weights[:count])
             weights = weights[count:]
 
     def __call__(self, x, training=False):
         """Images in, probabilities out; the batch is split over ``"batch"`` when it splits evenly."""
-        x = dtensor.relayout(x, activation_layout(self.mesh, x.shape))
-        for layer in self.layers:
-            x = layer(x, training=training)
+        values = {self.input_key: dtensor.relayout(x, activation_layout(self.mesh, x.shape))}
+        for node in self.nodes:
+            inputs = [values[key] for key in node.inputs]
+            values[node.output] = inputs[0] if node.op is None else node.op(*inputs, training=training)
         if training:
             self.step.assign_add(1)
-        return dtensor.relayout(x, activation_layout(self.mesh, x.shape))
+        y = values[self.output_key]
+        return dtensor.relayout(y, activation_layout(self.mesh, y.shape))
 
     def forward(self, x):
         """The model on numpy images (inference), as numpy probabilities."""
         return to_numpy(tf.function(self.__call__)(to_mesh(x, dtensor.Layout.replicated(self.mesh, np.ndim(x)))))
 
     def report(self):
-        """A table of each sharded layer's mode, kernel layout and parameter bytes per device."""
+        """A table of each layer with weights: its mode, weight layout and parameter bytes per device."""
+        width = max([14, *(len(layer.name) + 2 for layer in self.weighted)])
         lines = [f"mesh {dict(zip(self.mesh.dim_names, self.mesh.shape()))} over {self.mesh.num_local_devices()} "
                  f"devices: {', '.join(self.mesh.local_devices())}",
-                 f"{'layer':<14}{'mode':<8}{'kernel shape':<20}{'kernel layout (- whole)':<26}{'bytes/device':>13}"]
-        for layer in self.sharded_layers:
-            layout = "(" + ", ".join("-" if axis == dtensor.UNSHARDED else axis for axis in layer.kernel_layout) + ")"
-            lines.append(f"{layer.name:<14}{layer.mode:<8}{tuple(layer.kernel.shape)!s:<20}{layout:<26}"
+                 f"{'layer':<{width}}{'mode':<9}{'kernel shape':<20}{'kernel layout (- whole)':<26}"
+                 f"{'bytes/device':>13}"]
+        for layer in self.weighted:
+            first = layer.variables_in_order[0]
+            layout = "(" + ", ".join("-" if axis == dtensor.UNSHARDED else axis
+                                     for axis in dtensor.fetch_layout(first).sharding_specs) + ")"
+            lines.append(f"{layer.name:<{width}}{layer.mode:<9}{tuple(first.shape)!s:<20}{layout:<26}"
                          f"{sum(bytes_per_device(v) for v in layer.variables_in_order):>13,}")
         total = sum(4 * math.prod(v.shape) for v in self.weights)
         per_device = sum(map(bytes_per_device, self.weights))
         lines.append(f"parameters: {total:,} bytes in all, {per_device:,} bytes per device")
         return "\n".join(lines)
+
+
+#: The old name of ``ShardedModel``, from when it took only ``keras.Sequential`` models.
+ShardedSequential = ShardedModel
 
 
 def bytes_per_device(variable):

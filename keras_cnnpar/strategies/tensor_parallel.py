@@ -19,12 +19,14 @@ from keras_cnnpar.strategies.base import Strategy, register
 class ChannelSharded(Strategy):
     """Tensor parallel: every Conv2D and Dense kernel is sharded over the devices' channels, with DTensor.
 
-    The model is rebuilt on a 1-D DTensor mesh ``("model",)``. Its Conv2D and
-    Dense layers become ``ChannelShardedConv2D`` and ``ShardedDense``, which
-    alternate column mode (output channels sharded) and row mode (input
-    channels sharded, partial sums all-reduced), as Megatron pairs its layers;
-    pooling, padding, flatten, dropout and activations pass the layouts
-    through. Every weight and every optimizer slot is a DVariable laid out like
+    The model (``Sequential`` or functional) is rebuilt on a 1-D DTensor mesh
+    ``("model",)``. Its Conv2D and Dense layers become ``ChannelShardedConv2D``
+    and ``ShardedDense``, which alternate column mode (output channels sharded)
+    and row mode (input channels sharded, partial sums all-reduced), as
+    Megatron pairs its layers; BatchNormalization normalizes each device's
+    channels over the whole batch (its weights and moving statistics sharded
+    like the channels); pooling, padding, flatten, dropout, activations and
+    merges pass the layouts through (``cnnpar.sharded.ShardedModel``). Every weight and every optimizer slot is a DVariable laid out like
     its kernel, so each device holds about ``1/devices`` of the parameters. The
     whole global ``batch_size`` goes through every device. A training step is
     one ``tf.function``; the loss and metrics are computed from its
@@ -52,6 +54,7 @@ class ChannelSharded(Strategy):
     description = "Conv2D/Dense kernels sharded over --devices with DTensor (tensor parallel)"
     min_devices = 2
     mesh_axes = ("model",)
+    sync_batchnorm = True  # every device sees the whole batch
 
     def __init__(self, devices=2):
         super().__init__(steps_per_execution=1)
@@ -83,9 +86,9 @@ class ChannelSharded(Strategy):
                              "loss scaling, which float16 needs. Use precision='mixed_bfloat16'. "
                              "Received: precision='mixed_float16'")
         prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
-        compute_dtype = "bfloat16" if self.precision == "mixed_bfloat16" else "float32"
-        self.sharded = sharded.ShardedSequential(prepared, self.mesh(), compute_dtype)
-        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.weights, fused=self.fused_optimizer)
+        compute_dtype = "bfloat16" if self.precision == "mixed_bfloat16" else None
+        self.sharded = sharded.ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
+        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.trainable_weights, fused=self.fused_optimizer)
         if prepared.optimizer.built:
             self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
         self.loss = keras.losses.get(prepared.get_compile_config()["loss"])
@@ -101,7 +104,7 @@ class ChannelSharded(Strategy):
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
 
         def train_epoch(epoch, callback_list):
-            learning_rate = to_mesh(np.float32(prepared.optimizer.learning_rate), self.optimizer.scalar)
+            learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
             logs = _run_batches(prepared, batches, steps, lambda x, y: train_step(x, y, learning_rate),
                                 self.sharded.mesh, callback_list)
             self._sync(prepared)
@@ -137,7 +140,10 @@ class Hybrid(ChannelSharded):
     batch; the gradients of the replicated parameters are all-reduced over the
     ``"batch"`` axis by DTensor. A batch that ``data`` does not divide (a short
     last batch) is computed whole by every replica, which gives the same
-    gradient.
+    gradient. BatchNormalization takes its batch statistics over the global
+    batch (DTensor all-reduces them over ``"batch"``), so a step is
+    ``ChannelSharded``'s and ``Single``'s; ``sync_batchnorm=False`` makes
+    each replica normalize its own slice, as ``DataParallel`` then does.
 
     Example:
 
@@ -148,6 +154,8 @@ class Hybrid(ChannelSharded):
     Args:
         data: replicas on the ``"batch"`` axis.
         model: shards on the ``"model"`` axis.
+        sync_batchnorm: BatchNormalization statistics over the global batch
+            (True, the default) or per replica.
     """
 
     description = "a DTensor mesh of batch x channels, see --mesh"
@@ -155,9 +163,10 @@ class Hybrid(ChannelSharded):
     device_option = "mesh"
     mesh_axes = ("batch", "model")
 
-    def __init__(self, data=2, model=2):
+    def __init__(self, data=2, model=2, *, sync_batchnorm=True):
         super().__init__(devices=arguments.positive_int("data", data) * arguments.positive_int("model", model))
         self.data, self.model = data, model
+        self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
 
     def __repr__(self):
         return f"<Hybrid data={self.data} model={self.model}>"
@@ -190,9 +199,9 @@ def _steps(sharded, optimizer, loss_fn):
         with tf.GradientTape() as tape:
             loss, y_pred = loss_and_predictions(x, y, True)
         # Laid out like their variables, the gradients are all-reduced over "batch" before the update reads them.
-        gradients = tape.gradient(loss, sharded.weights)
-        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(gradients, sharded.weights)]
-        optimizer.apply(gradients, sharded.weights, learning_rate)
+        variables = sharded.trainable_weights
+        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, variables), variables)]
+        optimizer.apply(gradients, variables, learning_rate)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
     @tf.function
@@ -259,7 +268,8 @@ class _MeshOptimizer:
         mesh = dtensor.fetch_layout(variables[0]).mesh
         self.scalar = dtensor.Layout.replicated(mesh, 0)
         self.iterations = dtensor.DVariable(to_mesh(np.int64(0), self.scalar), name="iterations")
-        self.slots = [{name: dtensor.DVariable(to_mesh(np.zeros(v.shape, "float32"), dtensor.fetch_layout(v)))
+        self.slots = [{name: dtensor.DVariable(to_mesh(np.zeros(v.shape, v.dtype.as_numpy_dtype),
+                                                      dtensor.fetch_layout(v)))
                        for name in slots} for v in variables]
 
     def get_state(self):
@@ -283,7 +293,7 @@ class _MeshOptimizer:
         iterations = self.iterations.read_value()
         rule = self._sgd if self.kind == "SGD" else self._adam
         for gradient, variable, slots in zip(gradients, variables, self.slots):
-            rule(gradient, variable, slots, learning_rate, iterations)
+            rule(gradient, variable, slots, tf.cast(learning_rate, variable.dtype), iterations)
         self.iterations.assign(iterations + 1)
 
     def _sgd(self, gradient, variable, slots, learning_rate, iterations):
@@ -292,8 +302,8 @@ class _MeshOptimizer:
             return
         momentum = self.config["momentum"]
         if self.fused:
-            tf.raw_ops.ResourceApplyKerasMomentum(var=variable.handle, accum=slots["momentum"].handle,
-                                                  lr=learning_rate, grad=gradient, momentum=self._scalar(momentum),
+            tf.raw_ops.ResourceApplyKerasMomentum(var=variable.handle, accum=slots["momentum"].handle, lr=learning_rate,
+                                                  grad=gradient, momentum=self._scalar(momentum, variable.dtype),
                                                   use_nesterov=self.config["nesterov"])
             return
         m = slots["momentum"] * momentum - gradient * learning_rate
@@ -302,22 +312,23 @@ class _MeshOptimizer:
 
     def _adam(self, gradient, variable, slots, learning_rate, iterations):
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        step = tf.cast(iterations + 1, tf.float32)
+        dtype = variable.dtype
+        step = tf.cast(iterations + 1, dtype)
+        beta_1_power, beta_2_power = tf.pow(tf.cast(beta_1, dtype), step), tf.pow(tf.cast(beta_2, dtype), step)
         if self.fused:
-            lr = learning_rate * fused.second_moment_correction(beta_2, tf.float32)
+            lr = learning_rate * fused.second_moment_correction(beta_2, dtype)
             tf.raw_ops.ResourceApplyAdam(
                 var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
-                beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step), lr=lr,
-                beta1=self._scalar(beta_1), beta2=self._scalar(beta_2), epsilon=self._scalar(self.config["epsilon"]),
-                grad=gradient)
+                beta1_power=beta_1_power, beta2_power=beta_2_power, lr=lr, beta1=self._scalar(beta_1, dtype),
+                beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
             return
-        alpha = learning_rate * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
         v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
         slots["momentum"].assign(m)
         slots["velocity"].assign(v)
         variable.assign_sub(m * alpha / (tf.sqrt(v) + self.config["epsilon"]))
 
-    def _scalar(self, value):
-        """A float32 hyperparameter as a replicated scalar on the mesh, as the kernels take it."""
-        return to_mesh(np.float32(value), self.scalar)
+    def _scalar(self, value, dtype):
+        """A hyperparameter as a replicated scalar of ``dtype`` on the mesh, as the kernels take it."""
+        return to_mesh(np.asarray(value, dtype.as_numpy_dtype), self.scalar)
