@@ -26,6 +26,18 @@ def positive_int(name, value):
     return value
 
 
+def non_negative_int(name, value):
+    """``value`` if it is an int of at least 0 (not a bool).
+
+    >>> non_negative_int("precise_bn", -1)
+    Traceback (most recent call last):
+    ValueError: precise_bn must be an int of at least 0. Received: precise_bn=-1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int of at least 0. Received: {name}={value!r}")
+    return value
+
+
 def flag(name, value):
     """``value`` if it is True or False.
 

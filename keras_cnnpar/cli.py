@@ -309,7 +309,7 @@ def _csv_list(kind, choices=None):
 
 
 @main.command()
-@click.option("--models", "model_kinds", default="2+2,3+3", show_default=True, callback=_csv_list(str, MODELS),
+@click.option("--models", "model_kinds", default=",".join(MODELS), show_default=True, callback=_csv_list(str, MODELS),
               help="Comma-separated model kinds.")
 @click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
               show_default=True, callback=_csv_list(str, registry.names()), help="Comma-separated strategy names.")

@@ -4,8 +4,15 @@ and the parity check says why."""
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar.checks import GradientParityCheck
-from tests.helpers import SYNCHRONIZED_STEP_TOLERANCE, build_residual_cnn, max_difference, max_weight_difference
+from keras_cnnpar.checks import NOISE_FACTOR, PARITY_TOLERANCE, GradientParityCheck
+from tests.helpers import (
+    SYNCHRONIZED_STEP_TOLERANCE,
+    build_residual_cnn,
+    build_resnet,
+    build_small_cnn,
+    max_difference,
+    max_weight_difference,
+)
 
 
 def one_step(strategy, batch):
@@ -41,10 +48,17 @@ def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, sing
     assert check.verdict == "FAIL (expected: BatchNormalization per replica)"
     assert "its BatchNormalization layers normalize each replica's slice of the batch with that slice's statistics " \
            "(sync_batchnorm=False)" in capsys.readouterr().err
-    synchronized = GradientParityCheck(build_residual_cnn(seed=3), cnnpar.DataParallel(2), *batch,
-                                       tolerance=10 * SYNCHRONIZED_STEP_TOLERANCE)
+
+
+def test_the_parity_check_passes_a_synchronized_split_within_the_model_s_float_noise(batch):
+    synchronized = GradientParityCheck(build_resnet(seed=3), cnnpar.DataParallel(2), *batch)
     synchronized.on_train_begin()
+    assert synchronized.noise > 1e-4  # Single's own float32 gradient, against float64
+    assert PARITY_TOLERANCE < synchronized.difference <= NOISE_FACTOR * synchronized.noise
     assert synchronized.verdict == "pass"
+    plain = GradientParityCheck(build_small_cnn(seed=3), cnnpar.DataParallel(2), *batch)
+    plain.on_train_begin()
+    assert plain.noise < 1e-6 and plain.difference < 1e-5 and plain.verdict == "pass"
 
 
 def test_sync_batchnorm_is_a_flag():

@@ -35,14 +35,14 @@ def test_three_plus_three_compiles_with_nesterov_sgd_and_lecun_dense_layers():
     assert [layer.rate for layer in model.layers if isinstance(layer, keras.layers.Dropout)] == [0.25, 0.25]
 
 
-@pytest.mark.parametrize("kind", ["2+2", "3+3"])
+@pytest.mark.parametrize("kind", ["2+2", "3+3", "resnet"])
 def test_loss_is_sparse_categorical_crossentropy_with_accuracy(kind):
     config = models.cnn(kind).get_compile_config()
     assert (config["loss"], config["metrics"]) == ("sparse_categorical_crossentropy", ["accuracy"])
 
 
 def test_unknown_model_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"^model must be one of \['2\+2', '3\+3'\]. Received: model='4\+4'$"):
+    with pytest.raises(ValueError, match=r"^model must be one of \['2\+2', '3\+3', 'resnet'\]. Received: model='4\+4'$"):
         models.cnn("4+4")
 
 

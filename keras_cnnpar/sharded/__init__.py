@@ -6,7 +6,7 @@ confused with the ``"layers"`` strategy (layer placement); the old name
 
 >>> from keras_cnnpar import sharded
 >>> sharded.SUPPORTED[:3]
-('Conv2D', 'Dense', 'MaxPooling2D')
+('Conv2D', 'Dense', 'BatchNormalization')
 """
 
 from keras_cnnpar.sharded.layers import ChannelShardedConv2D, ShardedBatchNormalization, ShardedDense

@@ -26,9 +26,10 @@ class ChannelSharded(Strategy):
     Megatron pairs its layers; BatchNormalization normalizes each device's
     channels over the whole batch (its weights and moving statistics sharded
     like the channels); pooling, padding, flatten, dropout, activations and
-    merges pass the layouts through (``cnnpar.sharded.ShardedModel``). Every weight and every optimizer slot is a DVariable laid out like
-    its kernel, so each device holds about ``1/devices`` of the parameters. The
-    whole global ``batch_size`` goes through every device. A training step is
+    merges pass the layouts through (``cnnpar.sharded.ShardedModel``). Every
+    weight and every optimizer slot is a DVariable laid out like its kernel,
+    so each device holds about ``1/devices`` of the parameters. The whole
+    global ``batch_size`` goes through every device. A training step is
     one ``tf.function``; the loss and metrics are computed from its
     predictions, and validation runs the sharded model too. Supported
     optimizers: SGD (with momentum, Nesterov) and Adam. The trained weights
