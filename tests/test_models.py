@@ -42,7 +42,8 @@ def test_loss_is_sparse_categorical_crossentropy_with_accuracy(kind):
 
 
 def test_unknown_model_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"^model must be one of \['2\+2', '3\+3', 'resnet'\]. Received: model='4\+4'$"):
+    with pytest.raises(ValueError,
+                       match=r"^model must be one of \['2\+2', '3\+3', 'resnet'\]. Received: model='4\+4'$"):
         models.cnn("4+4")
 
 

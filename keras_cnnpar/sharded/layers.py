@@ -276,7 +276,7 @@ class ShardedBatchNormalization(WeightedModule):
     >>> norm = keras.layers.BatchNormalization()
     >>> x = np.random.default_rng(0).random((4, 3, 3, 6), dtype="float32")
     >>> reference = norm(x, training=True).numpy()
-    >>> sharded = ShardedBatchNormalization(keras.layers.BatchNormalization(), mesh, channels_sharded=True)
+    >>> sharded = ShardedBatchNormalization(norm, mesh, channels_sharded=True)
     >>> bool(np.allclose(sharded.forward(x), reference, atol=1e-5))
     True
 
