@@ -222,6 +222,9 @@ def test_the_layouts_of_a_graph_meet_by_re_layout():
     (lambda x: keras.layers.Add()([x, SHARED(SHARED(x))]),
      "channel sharding converts each layer once; the model calls ['shared'] more than once (shared weights). "
      "Received: model 'graph'"),
+    (lambda x: keras.layers.BatchNormalization(axis=1, name="norm")(x),
+     "channel sharding supports BatchNormalization over the last axis without renorm; layer 'norm' has axis=1, "
+     "renorm=False. Received: axis=1, renorm=False"),
     (lambda x: keras.layers.Concatenate(axis=1, name="rows")([x, x]),
      "channel sharding concatenates on the channel (last) axis only; layer 'rows' has axis=1. Received: axis=1"),
 ])

@@ -292,8 +292,8 @@ class ShardedBatchNormalization(WeightedModule):
         if not layer.built:
             raise ValueError(f"layer {layer.name!r} must be built (a model with a known input shape). "
                              f"Received: an unbuilt {type(layer).__name__}")
-        axes = [axis % len(layer.input.shape) for axis in np.atleast_1d(layer.axis)]
-        if axes != [len(layer.input.shape) - 1] or layer.renorm:
+        rank = layer.input_spec.ndim
+        if [axis % rank for axis in np.atleast_1d(layer.axis)] != [rank - 1] or layer.renorm:
             raise ValueError(f"channel sharding supports BatchNormalization over the last axis without renorm; "
                              f"layer {layer.name!r} has axis={layer.axis!r}, renorm={layer.renorm!r}. "
                              f"Received: axis={layer.axis!r}, renorm={layer.renorm!r}")
