@@ -82,12 +82,17 @@ class GradientParityCheck(keras.callbacks.Callback):
             return
         try:
             self.difference = gradient_difference(self.reference, probe, self.x, self.y)
-            self.noise = float_noise(self.reference, self.x, self.y)
         except Exception as error:  # the check must not end the run it checks
             self.verdict = f"error: {type(error).__name__}"
             print(f"GradientParityCheck could not run a probe step under {self.strategy!r}: {error}", file=sys.stderr)
             return
-        self.verdict = "pass" if self.difference <= max(self.tolerance, NOISE_FACTOR * self.noise) else "FAIL"
+        try:
+            self.noise = float_noise(self.reference, self.x, self.y)
+        except Exception as error:  # e.g. a custom layer that takes no dtype: the tolerance alone decides
+            print(f"GradientParityCheck could not copy the model in float64 to measure its float noise: {error}",
+                  file=sys.stderr)
+        allowed = self.tolerance if np.isnan(self.noise) else max(self.tolerance, NOISE_FACTOR * self.noise)
+        self.verdict = "pass" if self.difference <= allowed else "FAIL"
         if self.verdict == "FAIL" and _normalizes_per_replica(self.reference, self.strategy):
             self.verdict = "FAIL (expected: BatchNormalization per replica)"
             print(f"GradientParityCheck: the step under {self.strategy!r} differs from Single's by "
