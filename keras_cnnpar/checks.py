@@ -54,8 +54,7 @@ class GradientParityCheck(keras.callbacks.Callback):
     (BatchNormalization after a convolution: its gradient cancels heavily), so
     the check also measures the model's own float noise: the difference
     between Single's float32 gradient and the same gradient in float64. The
-    logs get
-    ``grad_parity_max_abs_diff``, ``grad_parity_float_noise`` and
+    logs get ``grad_parity_max_abs_diff``, ``grad_parity_float_noise`` and
     ``grad_parity_verdict`` (``pass`` within ``tolerance`` or within
     ``NOISE_FACTOR`` times the float noise, else ``FAIL``, with
     the reason when it is expected: BatchNormalization per replica, printed too;

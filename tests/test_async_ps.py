@@ -180,6 +180,7 @@ def test_an_unreachable_cluster_fails_within_the_timeout():
     ({"coordinator": "10.0.0.1"}, ValueError, "coordinator: task chief:0 needs a 'host:port' address with a host "
                                               "and a port in 1..65535. Received: chief[0]='10.0.0.1'"),
     ({"coordinator": 7000}, TypeError, "coordinator must be a 'host:port' string. Received: coordinator=7000"),
+    ({"precise_bn": -1}, ValueError, "precise_bn must be an int of at least 0. Received: precise_bn=-1"),
 ])
 def test_async_ps_validates_its_arguments_before_connecting(monkeypatch, tmp_path, kwargs, error, message):
     monkeypatch.chdir(tmp_path)

@@ -263,9 +263,9 @@ class ShardedBatchNormalization(WeightedModule):
     ``BatchNormalization(synchronized=True)`` under tf.distribute). With
     ``synchronized=False`` each ``"batch"`` replica normalizes its slice with
     its slice's statistics, and the moving statistics take the mean of the
-    replicas' (as Keras's per-replica BatchNormalization under
-    ``MirroredStrategy`` does). The arithmetic is float32 (float64 for float64
-    input), as in Keras.
+    replicas' (Keras's per-replica BatchNormalization under ``MirroredStrategy``
+    lets each replica keep its own). The arithmetic is float32 (float64 for
+    float64 input), as in Keras.
 
     Example:
 

@@ -220,7 +220,7 @@ class AsyncPS(CheckpointedStrategy):
         async_loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps),
                                 self.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
-        statistics_batches = iter(train.repeat())  # on the coordinator, for precise BN
+        statistics_batches = iter(train.repeat()) if self._precise else None  # on the coordinator, for precise BN
 
         def train_epoch(epoch, callback_list):
             callback_list.on_train_batch_begin(0)
