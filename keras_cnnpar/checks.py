@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import strategies
+from keras_cnnpar import rebuild, strategies
 
 #: Largest max-abs first-step gradient difference that passes (float noise is ~1e-6; a bug is ~1e-2).
 PARITY_TOLERANCE = 1e-4
@@ -147,15 +147,13 @@ def _single_gradient(model, x, y):
 def _sgd_copy(model, dtype=None):
     """A copy of ``model`` with its weights, dropout off, compiled with plain SGD (learning rate 1) and its loss;
     with ``dtype``, every layer computes and keeps its weights in it."""
-    def without_dropout(layer):
-        config = layer.get_config()
+    def without_dropout(layer, config):
         if isinstance(layer, keras.layers.Dropout):
             config["rate"] = 0.0
         if dtype is not None:
             config["dtype"] = dtype
-        return layer.__class__.from_config(config)
 
-    copy = keras.models.clone_model(model, clone_function=without_dropout)
+    copy = rebuild.clone_with(model, without_dropout)
     copy.set_weights([np.asarray(w, dtype or w.dtype) for w in model.get_weights()])
     copy.compile(optimizer=keras.optimizers.SGD(1.0), loss=model.loss)
     return copy

@@ -50,6 +50,21 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
     return copy
 
 
+def clone_with(model, change):
+    """``keras.models.clone_model``, each layer made from its config after ``change(layer, config)`` edited it.
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)])
+    >>> clone_with(model, lambda layer, config: config.update(rate=0.1)).layers[0].rate
+    0.1
+    """
+    def clone_layer(layer):
+        config = layer.get_config()
+        change(layer, config)
+        return layer.__class__.from_config(config)
+
+    return keras.models.clone_model(model, clone_function=clone_layer)
+
+
 def clone_synchronized(model):
     """``keras.models.clone_model``, with every ``BatchNormalization`` synchronized across replicas.
 
@@ -61,13 +76,11 @@ def clone_synchronized(model):
     >>> clone_synchronized(model).layers[0].synchronized
     True
     """
-    def synchronized(layer):
-        config = layer.get_config()
+    def synchronize(layer, config):
         if isinstance(layer, keras.layers.BatchNormalization):
             config["synchronized"] = True
-        return layer.__class__.from_config(config)
 
-    return keras.models.clone_model(model, clone_function=synchronized)
+    return clone_with(model, synchronize)
 
 
 def set_precision(model, precision):

@@ -25,6 +25,12 @@ def few_digits(digits):
 
 
 @pytest.fixture(scope="session")
+def batch(few_digits):
+    """One batch: the first 64 of ``few_digits``, for the one-step parity tests."""
+    return few_digits[0][:64], few_digits[1][:64]
+
+
+@pytest.fixture(scope="session")
 def few_val_digits(digits):
     """64 class-balanced digits, disjoint from ``few_digits``."""
     return helpers.balanced(digits, 64, offset=7)

@@ -110,6 +110,18 @@ def build_resnet_float64(seed=0):
     return build_resnet(seed, dtype="float64")
 
 
+def one_sgd_step(model, strategy, batch, **fit_kwargs):
+    """``model`` after one unshuffled step on the whole of ``batch`` (``(x, y)``) under ``strategy``."""
+    training.fit(model, *batch, strategy=strategy, batch_size=len(batch[0]), epochs=1, shuffle=False, verbose=0,
+                 results_dir=None, **fit_kwargs)
+    return model
+
+
+def moving_statistics(model):
+    """The moving means and variances of ``model``'s BatchNormalization layers, as numpy, in weight order."""
+    return [w.numpy() for w in model.weights if "moving" in w.path]
+
+
 def max_weight_difference(a, b):
     """The largest absolute difference between two models' weights (they must have the same, non-empty list)."""
     return max_difference(a.get_weights(), b.get_weights())

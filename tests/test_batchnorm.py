@@ -12,18 +12,13 @@ from tests.helpers import (
     build_small_cnn,
     max_difference,
     max_weight_difference,
+    moving_statistics,
+    one_sgd_step,
 )
 
 
 def one_step(strategy, batch):
-    model = build_residual_cnn(seed=3)
-    cnnpar.fit(model, *batch, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None)
-    return model
-
-
-@pytest.fixture(scope="module")
-def batch(few_digits):
-    return few_digits[0][:64], few_digits[1][:64]
+    return one_sgd_step(build_residual_cnn(seed=3), strategy, batch)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +31,7 @@ def test_synchronized_batch_statistics_take_single_s_step(batch, single):
     assert cnnpar.DataParallel(2).sync_batchnorm  # the default
     synchronized = one_step(cnnpar.DataParallel(2), batch)
     assert max_weight_difference(single, synchronized) < SYNCHRONIZED_STEP_TOLERANCE  # moving statistics too
-    assert max_difference([w for w in single.weights if "moving" in w.path],
-                          [w for w in synchronized.weights if "moving" in w.path]) < 1e-6
+    assert max_difference(moving_statistics(single), moving_statistics(synchronized)) < 1e-6
 
 
 def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, single, capsys):

@@ -6,7 +6,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import rebuild
-from tests.helpers import build_small_cnn, max_difference, max_weight_difference
+from tests.helpers import build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 
 #: bfloat16 keeps 8 significant bits: every product and partial sum is rounded to about 0.4%, and two strategies
 #: round in different places (a convolution as im2col matmul, a gradient summed over replicas). Through the
@@ -16,15 +16,7 @@ BF16_STEP_TOLERANCE = 0.10
 
 
 def one_step(strategy, precision, batch, seed=1):
-    model = build_small_cnn(seed=seed)
-    cnnpar.fit(model, *batch, strategy=strategy, batch_size=len(batch[0]), epochs=1, shuffle=False, verbose=0,
-               results_dir=None, precision=precision)
-    return model
-
-
-@pytest.fixture(scope="module")
-def batch(few_digits):
-    return few_digits[0][:64], few_digits[1][:64]
+    return one_sgd_step(build_small_cnn(seed=seed), strategy, batch, precision=precision)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import runs, serving
-from tests.helpers import build_resnet, max_difference, max_weight_difference
+from tests.helpers import build_resnet, max_difference, max_weight_difference, moving_statistics, one_sgd_step
 
 #: One SGD step from the same weights, in float64, against Single's (the moving statistics included).
 STEP_PARITY = [
@@ -20,18 +20,7 @@ STEP_PARITY = [
 
 
 def one_step(strategy, batch, dtype="float64"):
-    model = build_resnet(seed=3, dtype=dtype)
-    cnnpar.fit(model, *batch, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None)
-    return model
-
-
-def moving_statistics(model):
-    return [w.numpy() for w in model.weights if "moving" in w.path]
-
-
-@pytest.fixture(scope="module")
-def batch(few_digits):
-    return few_digits[0][:64], few_digits[1][:64]
+    return one_sgd_step(build_resnet(seed=3, dtype=dtype), strategy, batch)
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ def test_a_graph_with_branches_takes_single_s_step(builder, strategy, few_digits
                                                      and strategy.num_replicas > 1 else 1e-4)
 
 
-def test_the_layouts_of_a_graph_meet_by_re_layout():
+def test_each_layer_of_a_graph_takes_its_mode_from_its_input_s_layout():
     sharded = ShardedModel(branching_cnn(), mesh_of())
     assert {layer.name: layer.mode for layer in sharded.sharded_layers} == {
         "a": "column", "b": "row", "c": "row", "d": "column", "e": "column", "out": "row"}
