@@ -155,7 +155,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     except ConnectionError as error:
         raise click.ClickException(str(error)) from None
     if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
-        strategy.checkpoint_dir = None  # --no-log writes nothing; --checkpoint-dir keeps them
+        strategy = strategy.replace(checkpoint_dir=None)  # --no-log writes nothing; --checkpoint-dir keeps them
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "

@@ -63,13 +63,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     """
     strategy = strategies.resolve(strategy)
     _check_model(model)
-    if resume:
-        if not strategy.keeps_checkpoints:
-            raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
-                             f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
-        strategy.resume = True
-    strategy.precision = arguments.precision(precision)
-    strategy.fused_optimizer = bool(fused_optimizer)
+    if resume and not strategy.keeps_checkpoints:
+        raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
+                         f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
                                                 strategy, given_steps=fit_kwargs)
@@ -78,16 +74,19 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
-    if strategy.keeps_checkpoints:
-        strategy.run_config = _run_config(model, strategy, batch_size, x if isinstance(x, tf.data.Dataset) else y)
-    prepared = strategy.prepare(model)
-    _fit_whole_chunks(prepared, fit_kwargs.get("steps_per_epoch"))
-    initial_epoch = strategy.resume_epoch(initial_epoch)
-    if strategy.keeps_checkpoints and strategy.resume and strategy.run_checkpoint and initial_epoch >= epochs:
-        raise ValueError(f"{strategy.run_checkpoint.directory} already holds all {epochs} requested epochs "
+    settings = strategies.RunSettings(
+        precision=arguments.precision(precision), fused_optimizer=bool(fused_optimizer),
+        resume=bool(resume) or strategy.resume,
+        record=_run_record(model, strategy, batch_size, precision, x if isinstance(x, tf.data.Dataset) else y)
+        if strategy.keeps_checkpoints else {})
+    run = strategy.prepare(model, settings)
+    _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
+    initial_epoch = run.resume_epoch(initial_epoch)
+    if settings.resume and run.checkpoint and initial_epoch >= epochs:
+        raise ValueError(f"{run.checkpoint.directory} already holds all {epochs} requested epochs "
                          f"({initial_epoch} completed); there is nothing to train, and the checkpoint is kept. "
                          f"Received: epochs={epochs}")
-    report = strategy.report()
+    report = run.report()
     if report and fit_kwargs.get("verbose", 1):
         print(report)
     logging = []
@@ -95,19 +94,19 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         info = callback_lib.RunInfo(
             model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
             global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
-            precision=strategy.precision)
+            precision=settings.precision)
         logging = callback_lib.run_callbacks(info, results_dir, report=report)
-    users = [UserModelCallbacks(callbacks, model, prepared, strategy)] if callbacks else []
+    users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
     try:
-        history = strategy.fit(prepared, train, epochs=epochs, validation_data=validation,
-                               callbacks=[*users, *logging], initial_epoch=initial_epoch, **fit_kwargs)
+        history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging],
+                          initial_epoch=initial_epoch, **fit_kwargs)
     except BaseException as error:
         if logging:
             epoch_logger, recorder = logging
             epoch_logger.close()
             recorder.on_failure(error)
         raise
-    strategy.finalize(prepared, model)
+    run.finalize(model)
     for user in users:  # on_train_end, with the trained state in the user's model
         user.train_ended({name: values[-1] for name, values in history.history.items() if values})
     history.set_model(model)
@@ -155,7 +154,7 @@ def _fit_whole_chunks(prepared, steps_per_epoch):
         prepared.steps_per_execution = math.gcd(steps_per_epoch, chunk)
 
 
-def _run_config(model, strategy, batch_size, labels):
+def _run_record(model, strategy, batch_size, precision, labels):
     """What a checkpoint records of its run, so that a resume with other settings is refused.
 
     The data is identified by its size and a digest of its labels (or, for a
@@ -168,7 +167,7 @@ def _run_config(model, strategy, batch_size, labels):
         data = f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
     return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
             "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
-            "accumulate": strategy.accumulate, "precision": strategy.precision}
+            "accumulate": strategy.accumulate, "precision": precision}
 
 
 def _check_model(model):

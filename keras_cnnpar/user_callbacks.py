@@ -50,23 +50,24 @@ def _with_batch_hooks(callbacks):
 
 
 class UserModelCallbacks(keras.callbacks.Callback):
-    """Runs ``callbacks`` against the user's ``model`` while ``strategy`` trains ``prepared`` (see the module).
+    """Runs ``callbacks`` against the user's ``model`` while ``run`` (a strategy's ``Run``) trains (see the module).
 
     Every hook passes the strategy's own ``logs`` dict on, so what a callback
     adds to it (``ReduceLROnPlateau``'s ``learning_rate``, the checks' figures)
     reaches the run's CSV and the ``History``.
     """
 
-    def __init__(self, callbacks, model, prepared, strategy):
+    def __init__(self, callbacks, model, run):
         super().__init__()
-        self.user_model, self.prepared, self.strategy = model, prepared, strategy
+        self.user_model, self.run, self.prepared, self.strategy = model, run, run.model, run.strategy
         self.callbacks = list(callbacks)
         for callback in self.callbacks:
             callback.set_model(model)
-        if strategy.batch_hooks:
+        if self.strategy.batch_hooks:
             for callback in _with_batch_hooks(self.callbacks):
-                warnings.warn(f"{type(callback).__name__} has batch-level hooks, which {type(strategy).__name__} "
-                              f"calls {strategy.batch_hooks}, not at every step", stacklevel=3)
+                warnings.warn(f"{type(callback).__name__} has batch-level hooks, which "
+                              f"{type(self.strategy).__name__} calls {self.strategy.batch_hooks}, not at every step",
+                              stacklevel=3)
 
     def set_params(self, params):
         super().set_params(params)
@@ -84,7 +85,7 @@ class UserModelCallbacks(keras.callbacks.Callback):
         restored_epoch = self.user_model._initial_epoch
         if restored_epoch:  # BackupAndRestore loaded a backup into the user's model
             rebuild.copy_state(self.user_model, self.prepared)
-            self.strategy.reload(self.prepared)
+            self.run.reload()
             self.prepared._initial_epoch = restored_epoch
 
     def on_epoch_end(self, epoch, logs=None):

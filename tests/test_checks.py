@@ -11,8 +11,9 @@ from tests.helpers import build_small_cnn, max_weight_difference
 class SummedReplicaGradients(cnnpar.DataParallel):
     """Planted bug: the update applies the sum of the replicas' gradients instead of their mean."""
 
-    def prepare(self, model):
-        return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.num_replicas, steps_per_execution=1)
+    def prepare(self, model, settings=None):
+        prepared = rebuild.rebuild(model, scope=self.scope(), lr_factor=self.num_replicas, steps_per_execution=1)
+        return cnnpar.strategies.Run(self, settings, prepared)
 
 
 class SameBatchOnEveryReplica(cnnpar.DataParallel):

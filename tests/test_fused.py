@@ -101,9 +101,8 @@ def test_a_subclass_that_overrides_the_update_keeps_it():
 def test_strategies_train_with_the_fused_kernel_unless_told_not_to(strategy):
     for fused_optimizer in (True, False):
         model = build_small_cnn(optimizer=keras.optimizers.Adam(0.01))
-        strategy = cnnpar.strategies.resolve(strategy)
-        strategy.fused_optimizer = fused_optimizer
-        prepared = strategy.prepare(model)
+        settings = cnnpar.strategies.RunSettings(fused_optimizer=fused_optimizer)
+        prepared = cnnpar.strategies.resolve(strategy).prepare(model, settings).model
         assert isinstance(prepared.optimizer.update_step, functools.partial) == fused_optimizer
 
 

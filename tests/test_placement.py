@@ -13,12 +13,12 @@ DENSE = 5  # index of the 2+2's first Dense layer in model.layers
 
 def test_automatic_placement_balances_contiguous_stages_by_flops():
     model, strategy = cnnpar.models.cnn("2+2"), cnnpar.LayerPlacement(devices=2)
-    strategy.prepare(model)
-    assert [stage.layers for stage in strategy.stages] == [model.layers[:3], model.layers[3:]]  # conv, pool, conv
-    assert [s.params for s in strategy.stages] == [52_096, 3_222_538]
-    assert [s.flops for s in strategy.stages] == [1_254_400 + 6_272 + 20_070_400,
-                                                  3_136 + 3_136 + 6_422_528 + 1_024 + 20_480]
-    report = strategy.report().splitlines()
+    run = strategy.prepare(model)
+    assert [stage.layers for stage in run.stages] == [model.layers[:3], model.layers[3:]]  # conv, pool, conv
+    assert [s.params for s in run.stages] == [52_096, 3_222_538]
+    assert [s.flops for s in run.stages] == [1_254_400 + 6_272 + 20_070_400,
+                                             3_136 + 3_136 + 6_422_528 + 1_024 + 20_480]
+    report = run.report().splitlines()
     assert report[1].startswith("0     /device:CPU:0        52,096      208,384      21.33   0.77  conv2d")
     assert report[-1] == ("balance: the largest stage has 77% of the FLOPs (even: 50%); "
                           "expected bubble (p-1)/(m+p-1) = 0.500")
@@ -26,7 +26,7 @@ def test_automatic_placement_balances_contiguous_stages_by_flops():
 
 def test_variables_and_ops_sit_on_their_stage_devices():
     model = cnnpar.models.cnn("2+2")
-    prepared = cnnpar.LayerPlacement(devices=2, placement={model.layers[DENSE].name: 1}).prepare(model)
+    prepared = cnnpar.LayerPlacement(devices=2, placement={model.layers[DENSE].name: 1}).prepare(model).model
     devices = [w.value.device.split("device:")[-1] for w in prepared.weights]
     assert devices == ["CPU:0"] * 4 + ["CPU:1"] * 4  # conv kernels and biases, then dense ones
     graph = tf.function(prepared).get_concrete_function(tf.TensorSpec([None, 28, 28, 1])).graph
@@ -60,10 +60,11 @@ def test_a_subclassed_model_has_no_graph_to_cut():
 
 def test_a_skip_connection_across_the_stage_boundary_goes_to_the_stage_that_uses_it():
     strategy = cnnpar.LayerPlacement(2, placement={"c": 1})
-    prepared = strategy.prepare(build_residual_cnn())
-    assert [[layer.name for layer in stage.layers] for stage in strategy.stages] == [
+    run = strategy.prepare(build_residual_cnn())
+    prepared = run.model
+    assert [[layer.name for layer in stage.layers] for stage in run.stages] == [
         ["a", "b", "b_norm", "b_relu"], ["c", "skip", "pool", "flat", "out"]]
-    assert "      receives: b_relu (stage 0), a (stage 0)" in strategy.report().splitlines()
+    assert "      receives: b_relu (stage 0), a (stage 0)" in run.report().splitlines()
     devices = {w.path.split("/")[0]: w.value.device.split("device:")[-1] for w in prepared.weights}
     assert devices == {"a": "CPU:0", "b": "CPU:0", "b_norm": "CPU:0", "c": "CPU:1", "out": "CPU:1"}
     graph = tf.function(prepared).get_concrete_function(tf.TensorSpec([None, 28, 28, 1])).graph
@@ -109,8 +110,9 @@ def test_stages_follow_the_layers_when_the_first_layers_go_to_the_second_device(
     strategy = cnnpar.LayerPlacement(2, placement={0: 1, 3: 0}, microbatches=2)
     model = small_cnn()
     model.fit(few_digits[0][:64], few_digits[1][:64], batch_size=32, verbose=0, strategy=strategy, results_dir=None)
-    assert [stage.device for stage in strategy.stages] == ["/device:CPU:1", "/device:CPU:0"]
-    assert [len(stage.layers) for stage in strategy.stages] == [3, 3]
+    run = strategy.prepare(model)
+    assert [stage.device for stage in run.stages] == ["/device:CPU:1", "/device:CPU:0"]
+    assert [len(stage.layers) for stage in run.stages] == [3, 3]
 
 
 def test_balanced_stages_minimises_the_largest_stage():

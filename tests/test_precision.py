@@ -6,6 +6,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import rebuild
+from keras_cnnpar.strategies import RunSettings
 from tests.helpers import build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 
 #: bfloat16 keeps 8 significant bits: every product and partial sum is rounded to about 0.4%, and two strategies
@@ -42,9 +43,7 @@ def test_bfloat16_is_not_float32_and_the_users_model_stays_float32(batch, single
 
 
 def test_the_prepared_copy_computes_in_bfloat16_with_a_float32_output_layer(batch):
-    strategy = cnnpar.Single()
-    strategy.precision = "mixed_bfloat16"
-    prepared = strategy.prepare(build_small_cnn())
+    prepared = cnnpar.Single().prepare(build_small_cnn(), RunSettings(precision="mixed_bfloat16")).model
     assert [layer.compute_dtype for layer in prepared.layers] == ["bfloat16"] * 5 + ["float32"]
     assert {w.dtype for w in prepared.weights} == {"float32"}
 
@@ -56,7 +55,7 @@ def test_float16_scales_the_loss_and_hands_back_the_inner_optimizers_state(batch
                         precision="mixed_float16")
     assert np.isfinite(history.history["loss"][-1])
     assert type(model.optimizer).__name__ == "SGD" and int(model.optimizer.iterations.numpy()) == 2
-    prepared = strategy.prepare(model)
+    prepared = strategy.prepare(model, RunSettings(precision="mixed_float16")).model
     assert type(prepared.optimizer).__name__ == "LossScaleOptimizer"
     assert max_difference([v.numpy() for v in rebuild.optimizer_state(prepared.optimizer)],
                           [v.numpy() for v in rebuild.optimizer_state(model.optimizer)]) == 0.0

@@ -132,7 +132,7 @@ def test_trained_weights_and_optimizer_state_land_in_the_users_model(small_cnn, 
 @pytest.mark.parametrize("scale_lr, factor", [("linear", 2.0), ("sqrt", 2 ** 0.5), (None, 1.0)])
 def test_scale_lr_scales_the_rate_while_training_only(small_cnn, few_digits, scale_lr, factor):
     model, strategy = small_cnn(learning_rate=0.1), cnnpar.DataParallel(2, scale_lr=scale_lr)
-    assert float(strategy.prepare(model).optimizer.learning_rate.numpy()) == pytest.approx(0.1 * factor)
+    assert float(strategy.prepare(model).model.optimizer.learning_rate.numpy()) == pytest.approx(0.1 * factor)
     model.fit(*few_digits, batch_size=64, verbose=0, results_dir=None, strategy=strategy)
     assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.1)
 

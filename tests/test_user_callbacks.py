@@ -83,9 +83,10 @@ def test_a_rate_that_a_callback_sets_reaches_the_training_copy_times_the_strateg
 
     strategy = cnnpar.DataParallel(2, scale_lr="linear")
     model = build_small_cnn(learning_rate=0.1)
-    prepared = strategy.prepare(model)
+    run = strategy.prepare(model)
+    prepared = run.model
     assert float(prepared.optimizer.learning_rate.numpy()) == pytest.approx(0.2)
-    users = UserModelCallbacks([Halve()], model, prepared, strategy)
+    users = UserModelCallbacks([Halve()], model, run)
     prepared.set_weights([w + 1.0 for w in prepared.get_weights()])  # as an epoch of training would
     prepared.optimizer.iterations.assign(7)
     users.on_epoch_end(0, {})
@@ -100,11 +101,13 @@ def test_a_strategy_that_calls_batch_hooks_once_per_epoch_names_the_callbacks_th
         def on_train_batch_end(self, batch, logs=None):
             pass
 
-    strategy = cnnpar.Single()
-    strategy.batch_hooks = "once per epoch (as AsyncPS does)"
+    class OncePerEpoch(cnnpar.Single):
+        batch_hooks = "once per epoch (as AsyncPS does)"
+
     model = build_small_cnn()
+    run = cnnpar.strategies.Run(OncePerEpoch(), None, model)
     with pytest.warns(UserWarning) as warned:
-        UserModelCallbacks([PerBatch(), keras.callbacks.CSVLogger("unused.csv")], model, model, strategy)
+        UserModelCallbacks([PerBatch(), keras.callbacks.CSVLogger("unused.csv")], model, run)
     assert [str(w.message) for w in warned] == [
-        "PerBatch has batch-level hooks, which Single calls once per epoch (as AsyncPS does), not at every step"]
+        "PerBatch has batch-level hooks, which OncePerEpoch calls once per epoch (as AsyncPS does), not at every step"]
     assert cnnpar.AsyncPS.batch_hooks.startswith("once per epoch")

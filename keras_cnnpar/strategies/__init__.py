@@ -14,6 +14,8 @@ from keras_cnnpar import registry
 from keras_cnnpar.strategies.base import (
     CheckpointedStrategy,
     PeerLost,
+    Run,
+    RunSettings,
     Strategy,
     accepts,
     create,
@@ -26,8 +28,8 @@ from keras_cnnpar.strategies.multi_worker import Preempted
 #: The registered strategy classes by class name (``"DataParallel"``), imported on first use.
 CLASSES = {entry.class_name: entry for entry in registry.entries()}
 
-__all__ = ["CheckpointedStrategy", "PeerLost", "Preempted", "Strategy", "accepts", "create", "names", "register",
-           "resolve"]
+__all__ = ["CheckpointedStrategy", "PeerLost", "Preempted", "Run", "RunSettings", "Strategy", "accepts", "create",
+           "names", "register", "resolve"]
 __all__ += sorted(CLASSES)
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from keras_cnnpar import arguments, checkpoints, precise_bn, rebuild
 from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar.strategies import async_remote, loop
+from keras_cnnpar.strategies import async_remote, base, loop
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
 
@@ -133,7 +133,6 @@ class AsyncPS(CheckpointedStrategy):
         self.scale_lr = arguments.scale_lr(scale_lr)
         self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
         self.precise_bn = arguments.non_negative_int("precise_bn", precise_bn)
-        self._precise = None
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
         self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
@@ -153,7 +152,7 @@ class AsyncPS(CheckpointedStrategy):
 
     def options(self):
         """The options the coordinator process creates this strategy with; the rate arrives already scaled."""
-        return {**self._options, "scale_lr": None, "resume": self.resume}
+        return {**self._options, "scale_lr": None, "checkpoint_dir": self.checkpoint_dir}
 
     @property
     def devices(self):
@@ -174,59 +173,92 @@ class AsyncPS(CheckpointedStrategy):
     def _tf_strategy(self):
         return self._strategy
 
-    def report(self):
-        if self.remote:
-            return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
-                    f"({'in-process' if self.spec is None else 'external'} cluster), trained by a coordinator "
-                    f"process of its own: this process built its model before the strategy, so it stays out of "
-                    f"the cluster; learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})")
-        lines = [f"async-ps: {self.workers} workers, {self.ps} parameter servers "
-                 f"({'in-process' if self.spec is None else 'external'} cluster {self.cluster}); "
-                 f"learning rate x{self.lr_factor():.3g} (scale_lr={self.scale_lr})"
-                 + ("; each gradient divided by its staleness" if self.staleness_aware else "")
-                 + (f"; BatchNormalization statistics recomputed from {self.precise_bn} batches after each epoch"
-                    if self._precise and self._precise.statistics else ""),
-                 *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
-                   for task, (count, size) in sorted(self._held.items())),
-                 self.resumed_line()]
-        return "\n".join(line for line in lines if line)
+    def describe(self):
+        """The report's first words: the cluster and how the rate is scaled."""
+        return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
+                f"({'in-process' if self.spec is None else 'external'} cluster"
+                f"{'' if self.remote else ' ' + str(self.cluster)})")
 
-    def prepare(self, model):
+    def prepare(self, model, settings=None):
+        settings = settings or base.RunSettings()
         if self.remote:
-            if self.resume:
+            if settings.resume:
                 raise ValueError("resume=True needs the strategy created before any model (a model built first "
                                  "trains in a coordinator process of its own, which starts afresh): create "
                                  "cnnpar.AsyncPS(..., resume=True) at the top of the program, or run `cnnpar train "
                                  "--strategy async-ps --resume`. Received: resume=True")
-            return super().prepare(model)
-        prepared = super().prepare(model)
+            return RemoteAsyncRun(self, settings, self.prepared_copy(model, settings))
+        prepared = self.prepared_copy(model, settings)
         self.build_optimizer(prepared)
-        self._held = _bytes_per_task(prepared.weights)
-        self._precise = precise_bn.PreciseBatchNorm(prepared) if self.precise_bn else None
+        checkpoint = None
         if self.checkpoint_dir is not None:
-            self.run_checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), self.resume,
-                                                            self.run_config)
-            self.run_checkpoint.restore()
-        return prepared
+            checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
+                                                   dict(settings.record))
+            checkpoint.restore()
+        return AsyncRun(self, settings, prepared, checkpoint)
 
-    def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
-            steps_per_epoch=None, validation_steps=None, **unsupported):
-        steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
+    def replica_batches(self, dataset):
+        raise NotImplementedError("each worker reads its own stream, from an offset of its own")
+
+    def probe(self):
         if self.remote:
-            return async_remote.fit(self, prepared, train, epochs=epochs, steps=steps,
-                                    validation_data=validation_data, validation_steps=validation_steps,
-                                    callbacks=callbacks, initial_epoch=initial_epoch, verbose=verbose)
-        rebuild.build_compiled_state(prepared, train.element_spec, self.scope())
-        async_loop = _AsyncLoop(self, prepared, _offset_on_each_worker(train.repeat(), steps),
-                                self.steps_per_execution)
+            raise NotImplementedError("a probe step would need a coordinator process of its own too")
+        return self.replace(checkpoint_dir=None, resume=False)
+
+
+class RemoteAsyncRun(base.Run):
+    """An ``AsyncPS`` training of a model built before the strategy: a coordinator process trains it
+    (:mod:`keras_cnnpar.strategies.async_remote`)."""
+
+    def report(self):
+        strategy = self.strategy
+        return (f"{strategy.describe()}, trained by a coordinator process of its own: this process built its model "
+                f"before the strategy, so it stays out of the cluster; learning rate x{strategy.lr_factor():.3g} "
+                f"(scale_lr={strategy.scale_lr})")
+
+    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, **unsupported):
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
+        return async_remote.fit(self, train, epochs=epochs, steps=steps, validation_data=validation_data,
+                                validation_steps=validation_steps, callbacks=callbacks, initial_epoch=initial_epoch,
+                                verbose=verbose)
+
+
+class AsyncRun(base.Run):
+    """An ``AsyncPS`` training with this process as the coordinator: the prepared model (its variables on the
+    parameter servers), the per-epoch checkpoint and the precise-BN statistics."""
+
+    def __init__(self, strategy, settings, model, checkpoint):
+        super().__init__(strategy, settings, model, checkpoint)
+        self.precise = precise_bn.PreciseBatchNorm(model) if strategy.precise_bn else None
+        self.held = _bytes_per_task(model.weights)
+
+    def report(self):
+        strategy = self.strategy
+        lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
+                 + ("; each gradient divided by its staleness" if strategy.staleness_aware else "")
+                 + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
+                    if self.precise and self.precise.statistics else ""),
+                 *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
+                   for task, (count, size) in sorted(self.held.items())),
+                 self.resumed_line()]
+        return "\n".join(line for line in lines if line)
+
+    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, **unsupported):
+        strategy, prepared = self.strategy, self.model
+        steps = loop.epoch_steps(strategy, train, steps_per_epoch, unsupported)
+        rebuild.build_compiled_state(prepared, train.element_spec, strategy.scope())
+        async_loop = _AsyncLoop(strategy, prepared, _offset_on_each_worker(train.repeat(), steps),
+                                strategy.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
-        statistics_batches = iter(train.repeat()) if self._precise else None  # on the coordinator, for precise BN
+        statistics_batches = iter(train.repeat()) if self.precise else None  # on the coordinator, for precise BN
 
         def train_epoch(epoch, callback_list):
             callback_list.on_train_batch_begin(0)
             logs = async_loop.run_epoch(steps)
-            if self._precise:
-                self._precise.update(prepared, itertools.islice(statistics_batches, self.precise_bn))
+            if self.precise:
+                self.precise.update(prepared, itertools.islice(statistics_batches, strategy.precise_bn))
             callback_list.on_train_batch_end(steps - 1, logs)
             return logs
 
@@ -238,18 +270,8 @@ class AsyncPS(CheckpointedStrategy):
             prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
             initial_epoch=initial_epoch, validate=validate if evaluator is not None else None,
             epoch_guard=self._parameter_servers_kept,
-            after_epoch=(lambda epoch: self.run_checkpoint.save(completed_epochs=epoch + 1))
-            if self.run_checkpoint else None)
-
-    def replica_batches(self, dataset):
-        raise NotImplementedError("each worker reads its own stream, from an offset of its own")
-
-    def probe(self):
-        if self.remote:
-            raise NotImplementedError("a probe step would need a coordinator process of its own too")
-        probe = super().probe()
-        probe.checkpoint_dir, probe.resume = None, False
-        return probe
+            after_epoch=(lambda epoch: self.checkpoint.save(completed_epochs=epoch + 1))
+            if self.checkpoint else None)
 
     @contextlib.contextmanager
     def _parameter_servers_kept(self, epoch):
@@ -258,14 +280,15 @@ class AsyncPS(CheckpointedStrategy):
         try:
             yield
         except tf.errors.OpError as error:
-            lost = cluster_lib.unreachable({"ps": self.cluster["ps"]})
+            cluster = self.strategy.cluster
+            lost = cluster_lib.unreachable({"ps": cluster["ps"]})
             if not lost:
                 raise
-            run = self.run_checkpoint
+            run = self.checkpoint
             saved = (f"the checkpoint after epoch {run.completed_epochs} is in {run.directory}; restart "
                      f"the servers and rerun with resume=True (cnnpar train --resume)"
                      if run and run.completed_epochs else "no epoch was checkpointed yet")
-            raise PeerLost(f"lost {', '.join(lost)} of the cluster {self.cluster} in epoch {epoch + 1}: "
+            raise PeerLost(f"lost {', '.join(lost)} of the cluster {cluster} in epoch {epoch + 1}: "
                            f"its variables are gone; {saved}. ({type(error).__name__})") from error
 
 

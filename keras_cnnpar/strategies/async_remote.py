@@ -31,16 +31,16 @@ import tensorflow as tf
 
 from keras_cnnpar import cluster, rebuild
 from keras_cnnpar.strategies import loop
-from keras_cnnpar.strategies.base import create
+from keras_cnnpar.strategies.base import RunSettings, create
 from keras_cnnpar.subprocesses import python_command
 
 #: The prefix of the child's protocol lines on its standard output.
 EPOCH, DONE = "CNNPAR-EPOCH ", "CNNPAR-DONE"
 
 
-def fit(strategy, prepared, train, *, epochs, steps, validation_data, validation_steps, callbacks, initial_epoch,
-        verbose):
-    """Train ``prepared`` under ``strategy`` in a coordinator process of its own; return the ``History``."""
+def fit(run, train, *, epochs, steps, validation_data, validation_steps, callbacks, initial_epoch, verbose):
+    """Train ``run.model`` under ``run.strategy`` in a coordinator process of its own; return the ``History``."""
+    prepared, settings = run.model, run.settings
     with tempfile.TemporaryDirectory(prefix="cnnpar-async-") as folder:
         folder = Path(folder)
         prepared.save(folder / "model.keras")
@@ -49,8 +49,9 @@ def fit(strategy, prepared, train, *, epochs, steps, validation_data, validation
             validation_steps = validation_steps or loop.finite_steps(validation_data, "validation")
             validation_data.take(validation_steps).save(str(folder / "validation"))
         (folder / "run.json").write_text(json.dumps({
-            "options": strategy.options(), "precision": strategy.precision,
-            "fused_optimizer": strategy.fused_optimizer, "run_config": strategy.run_config,
+            "options": run.strategy.options(),
+            "settings": {"precision": settings.precision, "fused_optimizer": settings.fused_optimizer,
+                         "record": dict(settings.record)},
             "fit": {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
                     "validation_steps": validation_steps if validation_data is not None else None}}))
         child = subprocess.Popen(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder)),
@@ -116,15 +117,12 @@ def main(folder):
     folder = Path(folder)
     run = json.loads((folder / "run.json").read_text())
     strategy = create("async-ps", **run["options"])  # first: this fresh process joins the cluster
-    strategy.precision, strategy.fused_optimizer, strategy.run_config = (
-        run["precision"], run["fused_optimizer"], run["run_config"])
     model = keras.saving.load_model(folder / "model.keras")
     train = tf.data.Dataset.load(str(folder / "train"))
     validation = tf.data.Dataset.load(str(folder / "validation")) if (folder / "validation").exists() else None
-    prepared = strategy.prepare(model)
-    strategy.fit(prepared, train, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0,
-                 **run["fit"])
-    strategy.finalize(prepared, model)
+    training = strategy.prepare(model, RunSettings(**run["settings"]))
+    training.fit(train, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **run["fit"])
+    training.finalize(model)
     model.save(folder / "trained.keras")
     print(DONE, flush=True)
 

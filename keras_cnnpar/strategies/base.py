@@ -1,11 +1,20 @@
 """The strategy contract, the registry's runtime half, and the base of strategies that keep checkpoints.
 
-Every strategy does three things:
+A strategy is a configuration: it holds what its constructor took, and no
+training changes it. A training is a :class:`Run`:
 
-1. ``prepare(model)``: rebuild the user's model for the strategy, carrying its
-   weights, compile settings and optimizer state.
-2. ``fit(prepared, train, **fit_kwargs)``: train the prepared model; return a ``History``.
-3. ``finalize(prepared, model)``: copy the trained state back into the user's model.
+1. ``strategy.prepare(model, settings)``: rebuild the user's model for the
+   strategy, carrying its weights, compile settings and optimizer state; return
+   the :class:`Run` that owns the prepared copy and everything else of this one
+   training (mesh, stages, checkpoint, ...). ``settings`` (:class:`RunSettings`)
+   holds what belongs to the ``fit`` call: precision, fused updates, resume.
+2. ``run.fit(train, **fit_kwargs)``: train the prepared model; return a ``History``.
+3. ``run.finalize(model)``: copy the trained state back into the user's model.
+
+>>> strategy = resolve("single")
+>>> strategy.accumulate = 2  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+AttributeError: <Single devices=1> is a configuration: it does not change after it is created; ...
 
 Strings name strategies through the registry (:mod:`keras_cnnpar.registry`):
 
@@ -18,6 +27,9 @@ ValueError: unknown strategy 'nope'; valid names are ['async-ps', 'channels', ..
 
 import contextlib
 import copy
+import dataclasses
+import inspect
+import types
 from pathlib import Path
 
 import keras
@@ -79,12 +91,49 @@ def create(alias, **options):
     return entry.load()(**{k: v for k, v in options.items() if k in entry.options and v is not None})
 
 
-class Strategy:
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """What one ``fit`` call adds to a strategy's configuration; a value, never changed.
+
+    Args:
+        precision: the Keras dtype policy the prepared model computes in.
+        fused_optimizer: whether the prepared optimizer uses TensorFlow's fused kernels.
+        resume: restore the checkpoint of an interrupted run (strategies that keep one).
+        record: what a checkpoint records of its run (model, data, batch, ...); a resume must match it.
+    """
+
+    precision: str = "float32"
+    fused_optimizer: bool = True
+    resume: bool = False
+    record: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def __post_init__(self):
+        object.__setattr__(self, "record", types.MappingProxyType(dict(self.record)))
+
+
+class _Configuration(type):
+    """Metaclass of strategies: an instance is read-only once its constructor has returned."""
+
+    def __call__(cls, *args, **kwargs):
+        instance = super().__call__(*args, **kwargs)
+        object.__setattr__(instance, "_configured", True)
+        return instance
+
+    @property
+    def __signature__(cls):
+        """The constructor's parameters (what ``inspect.signature`` and the registry read)."""
+        signature = inspect.signature(cls.__init__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+class Strategy(metaclass=_Configuration):
     """Base class of every strategy: one device, Keras's own ``fit``.
 
+    A strategy is a configuration: its attributes are set by its constructor
+    and never change after (``replace`` makes a changed copy). Everything of
+    one training lives in the :class:`Run` that ``prepare`` returns.
     Subclasses supply ``_tf_strategy()`` (a ``tf.distribute.Strategy`` or None),
-    or override ``prepare``/``fit``/``finalize`` when Keras's ``fit`` cannot
-    run them.
+    or a ``Run`` subclass when Keras's ``fit`` cannot run them.
 
     Args:
         steps_per_execution: training steps run per call into TensorFlow;
@@ -110,10 +159,8 @@ class Strategy:
     is_chief = True
     #: Seed of the input shuffle; None follows TensorFlow's global seed.
     shuffle_seed = None
-    #: The Keras dtype policy the prepared model computes in; ``cnnpar.fit(precision=...)`` sets it.
-    precision = "float32"
-    #: Whether the prepared model's optimizer uses TensorFlow's fused kernels; ``cnnpar.fit(fused_optimizer=...)``.
-    fused_optimizer = True
+    #: Whether every run resumes from its checkpoint (strategies that keep one take it as an option).
+    resume = False
     #: Whether BatchNormalization computes its batch statistics over the global batch (data-parallel strategies).
     sync_batchnorm = False
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
@@ -122,6 +169,26 @@ class Strategy:
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
         self.accumulate = arguments.positive_int("accumulate", accumulate)
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_configured", False):
+            raise AttributeError(f"{self!r} is a configuration: it does not change after it is created; create "
+                                 f"another strategy, or use strategy.replace({name}=...). Received: {name}={value!r}")
+        object.__setattr__(self, name, value)
+
+    def replace(self, **options):
+        """A copy of this strategy with other values of some constructor options that it stores as given.
+
+        >>> resolve("single").replace(accumulate=4).accumulate
+        4
+        """
+        unknown = sorted(set(options) - set(inspect.signature(type(self)).parameters))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} takes no option {unknown[0]!r}. Received: {options}")
+        changed = copy.copy(self)
+        for name, value in options.items():
+            object.__setattr__(changed, name, value)
+        return changed
 
     @property
     def num_devices(self):
@@ -147,24 +214,19 @@ class Strategy:
         """How many logical devices this process needs (``cnnpar.devices.configure``)."""
         return self.num_devices
 
-    def resume_epoch(self, initial_epoch):
-        """The epoch to start at: ``initial_epoch``, or later when a checkpoint was restored."""
-        return initial_epoch
+    def prepare(self, model, settings=None):
+        """Rebuild ``model`` for this strategy (weights, compile settings, state); return the :class:`Run`."""
+        settings = settings or RunSettings()
+        return Run(self, settings, self.prepared_copy(model, settings))
 
-    def report(self):
-        """Text that describes the prepared layout (printed and logged before training), or None."""
-        return None
-
-    def prepare(self, model):
-        """Rebuild ``model`` for this strategy, with its weights, compile settings and state."""
-        clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
+    def prepared_copy(self, model, settings, clone=None):
+        """The prepared copy of ``model``: built under ``scope()``, with ``settings``' precision and updates."""
+        if clone is None:
+            clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
-                               steps_per_execution=self.steps_per_execution, precision=self.precision,
-                               fused_optimizer=self.fused_optimizer, clone=accumulation.wrap(clone, self.accumulate))
-
-    def fit(self, prepared, train, **fit_kwargs):
-        """Train ``prepared`` on the batched dataset ``train``; return Keras's ``History``."""
-        return prepared.fit(self.distribute(train), shuffle=False, **fit_kwargs)
+                               steps_per_execution=self.steps_per_execution, precision=settings.precision,
+                               fused_optimizer=settings.fused_optimizer,
+                               clone=accumulation.wrap(clone, self.accumulate))
 
     def distribute(self, dataset):
         """``dataset`` (batched by the global batch) as this strategy's replicas read it in training."""
@@ -178,27 +240,67 @@ class Strategy:
         return [part.numpy() for part in (tf_strategy.experimental_local_results(x) if tf_strategy else [x])]
 
     def probe(self):
-        """A copy of this strategy for a one-step check (``GradientParityCheck``) beside the real run."""
-        return copy.copy(self)
+        """The strategy of a one-step check (``GradientParityCheck``) beside the real run."""
+        return self
 
-    def reload(self, prepared):
-        """Train on from the weights and optimizer state of ``prepared``, changed since ``prepare`` (a
-        callback restored a backup into it). ``prepared`` is what trains here, so there is nothing to do."""
 
-    def finalize(self, prepared, model):
-        """Copy the trained weights and optimizer state back into the user's ``model``."""
-        rebuild.copy_state(prepared, model)
+class Run:
+    """One training of a user's model under a strategy: the prepared copy and all state of that training.
+
+    ``Strategy.prepare`` makes it; ``cnnpar.fit`` trains with it and then
+    drops it, so nothing of one training reaches the next. This base trains
+    with Keras's own ``fit``; strategies with a loop of their own subclass it.
+
+    Attributes:
+        strategy: the configuration it was prepared for.
+        settings: the ``fit`` call's :class:`RunSettings`.
+        model: the prepared copy of the user's model, which trains.
+        checkpoint: the run's checkpoint (``directory``, ``completed_epochs``, ``remove()``), or None.
+    """
+
+    def __init__(self, strategy, settings, model, checkpoint=None):
+        self.strategy, self.settings, self.model, self.checkpoint = strategy, settings, model, checkpoint
+
+    def __repr__(self):
+        return f"<{type(self).__name__} of {self.strategy!r} model={self.model.name}>"
+
+    def report(self):
+        """Text that describes the prepared layout (printed and logged before training), or None."""
+        return self.resumed_line()
+
+    def resume_epoch(self, initial_epoch):
+        """The epoch to start at: ``initial_epoch``, or later when a checkpoint was restored."""
+        completed = self.checkpoint.completed_epochs if self.checkpoint is not None else 0
+        return max(initial_epoch, completed)
+
+    def resumed_line(self):
+        """The report's line about a restored checkpoint, or None."""
+        if self.checkpoint is None or not self.checkpoint.completed_epochs:
+            return None
+        return f"resumed from {self.checkpoint.directory} after epoch {self.checkpoint.completed_epochs}"
+
+    def fit(self, train, **fit_kwargs):
+        """Train the prepared model on the batched dataset ``train``; return Keras's ``History``."""
+        return self.model.fit(self.strategy.distribute(train), shuffle=False, **fit_kwargs)
+
+    def reload(self):
+        """Train on from the weights and optimizer state of ``self.model``, changed since ``prepare`` (a
+        callback restored a backup into it). The prepared model is what trains here, so there is nothing to do."""
+
+    def finalize(self, model):
+        """Copy the trained weights and optimizer state back into the user's ``model``; drop the checkpoint."""
+        rebuild.copy_state(self.model, model)
+        if self.checkpoint is not None:
+            self.checkpoint.remove()
 
 
 class CheckpointedStrategy(Strategy):
     """Base of strategies that keep a checkpoint of each run and can resume it (``MultiWorker``, ``AsyncPS``).
 
-    It owns the checkpoint's lifecycle: the options (``checkpoint_dir``,
-    ``resume``, ``timeout``), one folder per run configuration, the epoch to
-    resume at, the "resumed from" line of the report, and the removal of the
-    checkpoint once the trained state is back in the user's model. A subclass
-    sets ``self.run_checkpoint`` in ``prepare`` (an object with
-    ``directory``, ``completed_epochs`` and ``remove()``).
+    It holds the checkpoint options (``checkpoint_dir``, ``resume``,
+    ``timeout``) and names one folder per run configuration; the run owns
+    the checkpoint itself (``Run.checkpoint``), its epoch to resume at and
+    its removal once the trained state is back in the user's model.
     """
 
     keeps_checkpoints = True
@@ -208,9 +310,6 @@ class CheckpointedStrategy(Strategy):
         self.checkpoint_dir = arguments.folder_or_none("checkpoint_dir", checkpoint_dir)
         self.resume = bool(resume)
         self.timeout = arguments.positive_seconds("timeout", timeout)
-        self.run_checkpoint = None
-        #: What the checkpoint records of the run (``cnnpar.fit`` sets it); resuming must match it.
-        self.run_config = {}
 
     def checkpoint_folder(self, prepared):
         """The folder of this run configuration's checkpoint."""
@@ -220,19 +319,3 @@ class CheckpointedStrategy(Strategy):
         """Create the optimizer's variables under the strategy, so the checkpoint holds them from the start."""
         with self.scope():
             prepared.optimizer.build(prepared.trainable_variables)
-
-    def resume_epoch(self, initial_epoch):
-        completed = self.run_checkpoint.completed_epochs if self.run_checkpoint is not None else 0
-        return max(initial_epoch, completed)
-
-    def resumed_line(self):
-        """The report's line about a restored checkpoint, or None."""
-        run = self.run_checkpoint
-        if run is None or not run.completed_epochs:
-            return None
-        return f"resumed from {run.directory} after epoch {run.completed_epochs}"
-
-    def finalize(self, prepared, model):
-        super().finalize(prepared, model)
-        if self.run_checkpoint is not None:
-            self.run_checkpoint.remove()

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from keras_cnnpar import arguments, checkpoints, rebuild
 from keras_cnnpar import cluster as cluster_lib
+from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
 
@@ -128,37 +129,45 @@ class MultiWorker(CheckpointedStrategy):
     def probe(self):
         raise NotImplementedError("a one-step probe beside the run would need every worker to take part")
 
-    def prepare(self, model):
-        prepared = super().prepare(model)
+    def prepare(self, model, settings=None):
+        settings = settings or base.RunSettings()
+        prepared = self.prepared_copy(model, settings)
+        checkpoint = None
         if self.checkpoint_dir is not None:
             self.build_optimizer(prepared)
-            self.run_checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared,
-                                                        self.checkpoint_folder(prepared), self.resume, self.run_config)
-        return prepared
+            checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared, self.checkpoint_folder(prepared),
+                                               settings.resume, dict(settings.record))
+        return MultiWorkerRun(self, settings, prepared, checkpoint)
+
+
+class MultiWorkerRun(base.Run):
+    """A ``MultiWorker`` training on this worker: the prepared replica and its preemption checkpoint."""
 
     def report(self):
-        lines = [f"multi-worker: {self.task.num_workers} workers, {self.num_replicas} replicas, "
-                 f"this is {self.task.type} {self.task.index}{' (chief)' if self.is_chief else ''}",
+        strategy = self.strategy
+        lines = [f"multi-worker: {strategy.task.num_workers} workers, {strategy.num_replicas} replicas, "
+                 f"this is {strategy.task.type} {strategy.task.index}{' (chief)' if strategy.is_chief else ''}",
                  self.resumed_line()]
         return "\n".join(line for line in lines if line)
 
-    def fit(self, prepared, train, *, validation_data=None, callbacks=(), **fit_kwargs):
-        _contain_keras_20585(prepared, train.element_spec)
-        if self.run_checkpoint is not None:
-            callbacks = [self.run_checkpoint.callback(), *callbacks]
-        validation = self.distribute(validation_data) if validation_data is not None else None
+    def fit(self, train, *, validation_data=None, callbacks=(), **fit_kwargs):
+        strategy, task = self.strategy, self.strategy.task
+        _contain_keras_20585(self.model, train.element_spec)
+        if self.checkpoint is not None:
+            callbacks = [self.checkpoint.callback(), *callbacks]
+        validation = strategy.distribute(validation_data) if validation_data is not None else None
         try:
-            return prepared.fit(self.distribute(train), validation_data=validation, callbacks=callbacks,
-                                shuffle=False, **fit_kwargs)
+            return self.model.fit(strategy.distribute(train), validation_data=validation, callbacks=callbacks,
+                                  shuffle=False, **fit_kwargs)
         except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as error:
-            own = f"/job:{self.task.type}/replica:0/task:{self.task.index}"
+            own = f"/job:{task.type}/replica:0/task:{task.index}"
             lost = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", error.message)) - {own})
-            raise PeerLost(f"{self.task.type} {self.task.index}: training stopped because a peer failed or did not "
-                           f"answer within timeout={self.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
+            raise PeerLost(f"{task.type} {task.index}: training stopped because a peer failed or did not "
+                           f"answer within timeout={strategy.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
                            f"({type(error).__name__})") from error
         finally:
-            if self.run_checkpoint is not None:
-                self.run_checkpoint.stop_watching()
+            if self.checkpoint is not None:
+                self.checkpoint.stop_watching()
 
 
 _JOINED = {}

@@ -8,8 +8,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, rebuild
+from keras_cnnpar import arguments
 from keras_cnnpar import devices as device_lib
+from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import Strategy, register
 
 
@@ -65,13 +66,11 @@ class LayerPlacement(Strategy):
             raise TypeError(f"placement must be None or a dict of layer -> device. Received: placement={placement!r}")
         self.placement = placement
         self.microbatches = arguments.positive_int("microbatches", microbatches)
-        self.stages = None
-        self.sequential = True
 
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
 
-    def prepare(self, model):
+    def prepare(self, model, settings=None):
         if not isinstance(model, keras.Sequential) and not _is_graph(model):
             raise TypeError("LayerPlacement cuts the layer graph of a keras.Sequential or functional model into "
                             "stages; a subclassed model has no graph to cut. Received: model of type "
@@ -80,10 +79,9 @@ class LayerPlacement(Strategy):
         layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         owner = assign_stages(layers, len(names), self.placement, names)
         stage_of = {layer.name: o for layer, o in zip(layers, owner)}
-        self.stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d],
-                             received=_received(layers, stage_of, d))
-                       for d in dict.fromkeys(owner)]  # in layer order
-        self.sequential = isinstance(model, keras.Sequential)
+        stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d],
+                        received=_received(layers, stage_of, d))
+                  for d in dict.fromkeys(owner)]  # in layer order
         device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
 
         def clone(user_model):
@@ -93,8 +91,17 @@ class LayerPlacement(Strategy):
             placed = keras.models.clone_model(user_model, clone_function=place)
             return placed if self.microbatches == 1 else _MicroBatched(placed, self.microbatches)
 
-        return rebuild.rebuild(model, scope=self.scope(), steps_per_execution=self.steps_per_execution, clone=clone,
-                               precision=self.precision, fused_optimizer=self.fused_optimizer)
+        settings = settings or base.RunSettings()
+        return PlacementRun(self, settings, self.prepared_copy(model, settings, clone=clone), stages,
+                            sequential=isinstance(model, keras.Sequential))
+
+
+class PlacementRun(base.Run):
+    """A ``LayerPlacement`` training: the placed copy, its ``stages`` and whether they are chains of layers."""
+
+    def __init__(self, strategy, settings, model, stages, sequential):
+        super().__init__(strategy, settings, model)
+        self.stages, self.sequential = stages, sequential
 
     def report(self):
         """The stage table (stage, device, layers, parameters, bytes, estimated MFLOP per image, share)."""
@@ -105,15 +112,15 @@ class LayerPlacement(Strategy):
                          f"{s.flops / total:>7.2f}  {', '.join(layer.name for layer in s.layers)}")
             if i and s.received:
                 lines.append(f"{'':<6}receives: {', '.join(s.received)}")
-        p, m = len(self.stages), self.microbatches
+        p, m = len(self.stages), self.strategy.microbatches
         lines.append(f"balance: the largest stage has {max(s.flops for s in self.stages) / total:.0%} of the FLOPs "
                      f"(even: {1 / p:.0%}); expected bubble (p-1)/(m+p-1) = {bubble_fraction(p, m):.3f}")
         return "\n".join(lines)
 
-    def fit(self, prepared, train, **fit_kwargs):
+    def fit(self, train, **fit_kwargs):
         stats = StageTimes(self, train)
         callbacks = [stats, *fit_kwargs.pop("callbacks", [])]
-        return super().fit(prepared, train, callbacks=callbacks, **fit_kwargs)
+        return super().fit(train, callbacks=callbacks, **fit_kwargs)
 
 
 def bubble_fraction(stages, microbatches):
@@ -267,28 +274,28 @@ class StageTimes(keras.callbacks.Callback):
     Before training it times forward and backward of every stage alone on one
     micro-batch of the first batch (for a Sequential model, whose stages are
     chains of layers). It must come before ``EpochLogger``, which
-    writes what the logs hold; ``LayerPlacement.fit`` puts it first.
+    writes what the logs hold; ``PlacementRun.fit`` puts it first.
     """
 
-    def __init__(self, strategy, train):
+    def __init__(self, run, train):
         super().__init__()
-        self.strategy, self.train = strategy, train
+        self.run, self.train = run, train
         self.seconds = []
 
     def on_train_begin(self, logs=None):
         self.seconds = []
-        if not self.strategy.sequential:
+        if not self.run.sequential:
             return  # a stage of a graph is not a chain of layers to time alone; the bubble is still logged
         x = next(iter(self.train))[0]
-        x = x[: max(1, int(x.shape[0]) // self.strategy.microbatches)]
+        x = x[: max(1, int(x.shape[0]) // self.run.strategy.microbatches)]
         layers = {layer.name: layer for layer in _inner(self.model).layers}
-        for stage in self.strategy.stages:
+        for stage in self.run.stages:
             seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["bubble_fraction"] = bubble_fraction(len(self.strategy.stages), self.strategy.microbatches)
+            logs["bubble_fraction"] = bubble_fraction(len(self.run.stages), self.run.strategy.microbatches)
             logs.update({f"stage{i}_seconds": s for i, s in enumerate(self.seconds)})
 
 

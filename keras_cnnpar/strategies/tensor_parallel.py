@@ -11,7 +11,7 @@ from tensorflow.experimental import dtensor
 from keras_cnnpar import arguments, fused, rebuild, sharded
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
-from keras_cnnpar.strategies import loop
+from keras_cnnpar.strategies import base, loop
 from keras_cnnpar.strategies.base import Strategy, register
 
 
@@ -60,7 +60,6 @@ class ChannelSharded(Strategy):
     def __init__(self, devices=2):
         super().__init__(steps_per_execution=1)
         self.devices = arguments.devices(devices)
-        self.sharded = self.optimizer = self.loss = None
 
     def __repr__(self):
         return f"<ChannelSharded devices={self.num_devices}>"
@@ -81,26 +80,39 @@ class ChannelSharded(Strategy):
                              f"TensorFlow starts, or use fewer devices. Received: {self!r}") from None
         return dtensor.create_mesh(list(zip(self.mesh_axes, self.mesh_shape)), devices=names)
 
-    def prepare(self, model):
-        if self.precision == "mixed_float16":
+    def prepare(self, model, settings=None):
+        settings = settings or base.RunSettings()
+        if settings.precision == "mixed_float16":
             raise ValueError("tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no "
                              "loss scaling, which float16 needs. Use precision='mixed_bfloat16'. "
                              "Received: precision='mixed_float16'")
         prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
-        compute_dtype = "bfloat16" if self.precision == "mixed_bfloat16" else None
-        self.sharded = sharded.ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
-        self.optimizer = _MeshOptimizer(prepared.optimizer, self.sharded.trainable_weights, fused=self.fused_optimizer)
+        compute_dtype = "bfloat16" if settings.precision == "mixed_bfloat16" else None
+        sharded_model = sharded.ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
+        optimizer = _MeshOptimizer(prepared.optimizer, sharded_model.trainable_weights,
+                                   fused=settings.fused_optimizer)
         if prepared.optimizer.built:
-            self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
-        self.loss = keras.losses.get(prepared.get_compile_config()["loss"])
-        return prepared
+            optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
+        return MeshRun(self, settings, prepared, sharded_model, optimizer)
+
+
+class MeshRun(base.Run):
+    """A tensor-parallel training: the local Keras copy (``model``, which reports metrics), the ``sharded``
+    model on the mesh and its mesh ``optimizer``. Each epoch's weights and optimizer state are copied into
+    ``model``."""
+
+    def __init__(self, strategy, settings, model, sharded_model, optimizer):
+        super().__init__(strategy, settings, model)
+        self.sharded, self.optimizer = sharded_model, optimizer
+        self.loss = keras.losses.get(model.get_compile_config()["loss"])
 
     def report(self):
         return self.sharded.report()
 
-    def fit(self, prepared, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
-        steps = loop.epoch_steps(self, train, steps_per_epoch, unsupported)
+        prepared = self.model
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
 
@@ -108,7 +120,7 @@ class ChannelSharded(Strategy):
             learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
             logs = _run_batches(prepared, batches, steps, lambda x, y: train_step(x, y, learning_rate),
                                 self.sharded.mesh, callback_list)
-            self._sync(prepared)
+            self._sync()
             return logs
 
         def validate():
@@ -119,16 +131,16 @@ class ChannelSharded(Strategy):
                                verbose=verbose, initial_epoch=initial_epoch,
                                validate=validate if validation_data is not None else None)
 
-    def reload(self, prepared):
-        self.sharded.set_weights(prepared.get_weights())
-        self.optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
+    def reload(self):
+        self.sharded.set_weights(self.model.get_weights())
+        self.optimizer.set_state(rebuild.optimizer_state(self.model.optimizer))
 
-    def _sync(self, prepared):
-        """Copy the sharded weights and optimizer state into ``prepared`` (the local Keras model)."""
-        prepared.set_weights(self.sharded.get_weights())
-        if not prepared.optimizer.built:
-            prepared.optimizer.build(prepared.trainable_variables)
-        for variable, value in zip(rebuild.optimizer_state(prepared.optimizer), self.optimizer.get_state()):
+    def _sync(self):
+        """Copy the sharded weights and optimizer state into ``model`` (the local Keras copy)."""
+        self.model.set_weights(self.sharded.get_weights())
+        if not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        for variable, value in zip(rebuild.optimizer_state(self.model.optimizer), self.optimizer.get_state()):
             variable.assign(np.reshape(value, variable.shape))
 
 
