@@ -2,9 +2,11 @@
 
 Builds the 2+2 CNN, trains it with Keras's own ``fit``, then fits it under the
 strategy ALIAS on a finite, shuffled, batched ``tf.data`` pipeline of 8
-batches with an ``EarlyStopping`` that stops after the second epoch, evaluates
-the user's model, and fits it again under "single". Prints ``ALIAS EPOCHS
-STEPS ACCURACY``.
+batches with an ``EarlyStopping`` that stops after the second epoch (with
+``resume=True`` where the strategy keeps checkpoints and the order allows it),
+evaluates the user's model, and fits it again under "single". Prints ``ALIAS
+EPOCHS STEPS ACCURACY UNCHANGED``, the last whether the strategy object's
+attributes are what they were before its ``fit``.
 """
 
 import sys
@@ -27,11 +29,16 @@ def main(alias):
     user_data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(64)  # 8 batches
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # stops after the 2nd epoch
     before = int(model.optimizer.iterations.numpy())
-    history = model.fit(user_data, epochs=4, strategy=alias, results_dir=None, verbose=0, callbacks=[stop])
+    strategy = cnnpar.strategies.resolve(alias)
+    configuration = dict(vars(strategy))
+    resume = {"resume": True} if alias == "multi-worker" else {}  # async-ps here: a model built first starts afresh
+    history = model.fit(user_data, epochs=4, strategy=strategy, results_dir=None, verbose=0, callbacks=[stop],
+                        **resume)
     steps = int(model.optimizer.iterations.numpy()) - before
     accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
     model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
-    print(alias, len(history.history["loss"]), steps, accuracy)  # under cnnpar launch, the chief's output shows
+    unchanged = vars(strategy) == configuration
+    print(alias, len(history.history["loss"]), steps, accuracy, unchanged)  # under cnnpar launch: the chief's output
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The any-order matrix: a model built and trained first, then fitted under every strategy, in a fresh process."""
+"""The any-order matrix: a model built and trained first, then fitted under every strategy, in a fresh process;
+the strategy object is unchanged by its ``fit``."""
 
 import subprocess
 import sys
@@ -19,7 +20,8 @@ def test_a_model_built_and_trained_first_fits_under_every_strategy_and_then_unde
         command = [sys.executable, "-m", "keras_cnnpar.cli", "launch", "--workers", "2", "--", *command]
     done = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    name, epochs, steps, accuracy = done.stdout.split()[-4:]
+    name, epochs, steps, accuracy, unchanged = done.stdout.split()[-5:]
     assert (name, epochs) == (alias, "2")  # the callback saw the user's model and its stop ended the run
     assert steps == "16"  # each epoch one pass of the user's 8 batches
     assert float(accuracy) > 0.5  # above chance (0.1): the trained weights are in the user's model
+    assert unchanged == "True"  # fit left the strategy object as it was

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import devices, rebuild, registry, strategies
-from tests.helpers import max_difference, max_weight_difference
+from tests.helpers import build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 
 #: The aliases of the public API: a new strategy may join them, none may go.
 NAMES_OF_THE_API = ["async-ps", "channels", "hybrid", "layers", "mirrored", "multi-worker", "single"]
@@ -175,3 +175,26 @@ def test_resume_is_for_strategies_that_keep_a_checkpoint(small_cnn, digits):
     with pytest.raises(ValueError, match=r"^strategy 'single' keeps no checkpoint to resume; resume is for "
                                          r"\['async-ps', 'multi-worker'\]. Received: resume=True$"):
         cnnpar.fit(small_cnn(), digits.x[:64], digits.y[:64], strategy="single", resume=True, results_dir=None)
+
+
+@pytest.mark.parametrize("alias", strategies.names(keeps_checkpoints=False))  # the others: tests/test_any_order.py
+def test_fit_leaves_the_strategy_as_it_was_and_a_second_fit_owes_nothing_to_the_first(alias, batch):
+    strategy = strategies.resolve(alias)
+    configuration = dict(vars(strategy))
+    first = one_sgd_step(build_small_cnn(seed=3), strategy, batch, precision="mixed_bfloat16")
+    second = one_sgd_step(build_small_cnn(seed=3), strategy, batch)
+    fresh = one_sgd_step(build_small_cnn(seed=3), strategies.resolve(alias), batch)
+    assert vars(strategy) == configuration
+    assert max_weight_difference(first, fresh) > 1e-5  # the first step computed in bfloat16 ...
+    assert max_weight_difference(second, fresh) == 0.0  # ... and the second in float32, as a fresh strategy does
+    with pytest.raises(AttributeError, match=r"^<.*> is a configuration: it does not change after it is created; "
+                                             r"create another strategy, or use strategy.replace\(accumulate=...\). "
+                                             r"Received: accumulate=2$"):
+        strategy.accumulate = 2
+
+
+def test_replace_makes_a_changed_copy_and_refuses_options_the_strategy_does_not_take():
+    strategy = cnnpar.DataParallel(2, accumulate=2)
+    assert (strategy.replace(accumulate=4).accumulate, strategy.accumulate) == (4, 2)
+    with pytest.raises(ValueError, match=r"^DataParallel takes no option 'microbatches'. Received: "):
+        strategy.replace(microbatches=2)
