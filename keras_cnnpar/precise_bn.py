@@ -25,6 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_cnnpar import graph
+
 
 class PreciseBatchNorm:
     """Recomputes the moving statistics of a model's top-level BatchNormalization layers.
@@ -42,7 +44,7 @@ class PreciseBatchNorm:
     def __init__(self, model):
         self.norms = [i for i, layer in enumerate(model.layers) if isinstance(layer, keras.layers.BatchNormalization)]
         self.copy = self.statistics = None
-        if not self.norms or not hasattr(model, "inputs") or not model.inputs:
+        if not self.norms or not graph.is_graph(model):
             return
         self.copy = keras.models.clone_model(model)
         norms = [self.copy.layers[i] for i in self.norms]

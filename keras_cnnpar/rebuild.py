@@ -18,7 +18,7 @@ True
 import keras
 from keras import tree
 
-from keras_cnnpar import fused
+from keras_cnnpar import fused, graph
 
 
 def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model,
@@ -100,18 +100,9 @@ def set_precision(model, precision):
         return
     for layer in model._flatten_layers(include_self=True, recursive=True):
         layer.dtype_policy = precision
-    for layer in _output_layers(model):
+    for layer in graph.output_layers(model):
         for part in layer._flatten_layers(include_self=True, recursive=True):
             part.dtype_policy = "float32"
-
-
-def _output_layers(model):
-    """The layers that compute ``model``'s outputs (through wrappers that hold the real model as ``inner``)."""
-    while hasattr(model, "inner"):
-        model = model.inner
-    if isinstance(model, keras.Sequential):
-        return model.layers[-1:]
-    return [output._keras_history.operation for output in model.outputs]
 
 
 def copy_state(source, target):

@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from keras_cnnpar import graph
 from keras_cnnpar.sharded.layers import (
     CHANNEL_MIXING,
     ChannelShardedConv2D,
@@ -197,41 +198,29 @@ class _Node(typing.NamedTuple):
 
 
 def layer_graph(model):
-    """The layers of ``model`` with the keys of the tensors they take and make: ``(input key, [(layer, input
-    keys, output key)] in a topological order, output key)``; a ``TypeError`` for what is not such a graph.
+    """The :class:`graph.Graph` of ``model`` that channel sharding can convert; a ``TypeError`` says why not.
 
     >>> inputs = keras.Input((4,))
     >>> hidden = keras.layers.Dense(3, name="hidden")(inputs)
-    >>> _, calls, _ = layer_graph(keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden)))
-    >>> [layer.name for layer, _, _ in calls]
+    >>> [call.layer.name for call in layer_graph(keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))).calls]
     ['hidden', 'out']
     """
-    if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-        return 0, [(layer, (i,), i + 1) for i, layer in enumerate(layers)], len(layers)
-    if not hasattr(model, "_nodes_by_depth"):  # a subclassed model: no graph to read
+    if not graph.is_graph(model):  # a subclassed model: no graph to read
         raise TypeError("channel sharding rebuilds a model's graph of layers: a keras.Sequential or a functional "
                         f"model. Received: model of type {type(model).__name__}")
     if len(model.inputs) != 1 or len(model.outputs) != 1:
         raise TypeError(f"channel sharding rebuilds a model with one input and one output. Received: model "
                         f"{model.name!r} with {len(model.inputs)} inputs and {len(model.outputs)} outputs")
-    calls = []
-    for depth in sorted(model._nodes_by_depth, reverse=True):
-        for node in model._nodes_by_depth[depth]:
-            if node.is_input:
-                continue
-            layer = node.operation
-            if not isinstance(layer, keras.layers.Layer):
-                raise TypeError(f"channel sharding converts layers; the model calls the operation "
-                                f"{type(layer).__name__} ({layer.name!r}) on tensors: use a layer instead, for "
-                                f"example keras.layers.Add()([a, b]) for a + b. Received: operation {layer.name!r}")
-            calls.append((layer, tuple(id(t) for t in keras.tree.flatten(node.input_tensors)), id(node.outputs[0])))
-    names = [layer.name for layer, _, _ in calls]
-    shared = sorted({name for name in names if names.count(name) > 1})
-    if shared:
-        raise TypeError(f"channel sharding converts each layer once; the model calls {shared} more than once "
-                        f"(shared weights). Received: model {model.name!r}")
-    return id(model.inputs[0]), calls, id(model.outputs[0])
+    read = graph.read(model)
+    for call in read.calls:
+        if not isinstance(call.layer, keras.layers.Layer):
+            raise TypeError(f"channel sharding converts layers; the model calls the operation "
+                            f"{type(call.layer).__name__} ({call.layer.name!r}) on tensors: use a layer instead, for "
+                            f"example keras.layers.Add()([a, b]) for a + b. Received: operation {call.layer.name!r}")
+    if read.shared_layers():
+        raise TypeError(f"channel sharding converts each layer once; the model calls {read.shared_layers()} more "
+                        f"than once (shared weights). Received: model {model.name!r}")
+    return read
 
 
 class ShardedModel(tf.Module):

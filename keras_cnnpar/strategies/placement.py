@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments
+from keras_cnnpar import arguments, graph
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import Strategy, register
@@ -71,7 +71,7 @@ class LayerPlacement(Strategy):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
 
     def prepare(self, model, settings=None):
-        if not isinstance(model, keras.Sequential) and not _is_graph(model):
+        if not graph.is_graph(model):
             raise TypeError("LayerPlacement cuts the layer graph of a keras.Sequential or functional model into "
                             "stages; a subclassed model has no graph to cut. Received: model of type "
                             f"{type(model).__name__}")
@@ -139,24 +139,13 @@ class Stage:
         self.flops = sum(layer_flops(layer) for layer in layers)
 
 
-def _is_graph(model):
-    """Whether ``model`` is a functional model: a graph of layers from its inputs to its outputs."""
-    return isinstance(model, keras.Model) and hasattr(model, "_operations")  # Keras's Functional keeps its graph
-
-
-def _sources(layer):
-    """The layers whose outputs ``layer`` takes as inputs (in its first call in the model)."""
-    node = layer._inbound_nodes[0]
-    return [tensor._keras_history.operation for tensor in keras.tree.flatten(node.input_tensors)]
-
-
 def _received(layers, stage_of, stage):
     """The outputs of earlier stages that the layers of ``stage`` take: ``"name (stage i)"``, in layer order."""
     received = {}
     for layer in layers:
         if stage_of[layer.name] != stage:
             continue
-        for source in _sources(layer):
+        for source in graph.sources(layer):
             origin = stage_of.get(source.name)
             if origin is not None and origin < stage:
                 received.setdefault(source.name, f"{source.name} (stage {origin})")
@@ -288,7 +277,7 @@ class StageTimes(keras.callbacks.Callback):
             return  # a stage of a graph is not a chain of layers to time alone; the bubble is still logged
         x = next(iter(self.train))[0]
         x = x[: max(1, int(x.shape[0]) // self.run.strategy.microbatches)]
-        layers = {layer.name: layer for layer in _inner(self.model).layers}
+        layers = {layer.name: layer for layer in graph.unwrap(self.model).layers}
         for stage in self.run.stages:
             seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
@@ -297,10 +286,6 @@ class StageTimes(keras.callbacks.Callback):
         if logs is not None:
             logs["bubble_fraction"] = bubble_fraction(len(self.run.stages), self.run.strategy.microbatches)
             logs.update({f"stage{i}_seconds": s for i, s in enumerate(self.seconds)})
-
-
-def _inner(model):
-    return model.inner if isinstance(model, _MicroBatched) else model
 
 
 def _time_stage(layers, x, repeats=5):

@@ -1,0 +1,85 @@
+"""The one reader of a Keras model's layer graph: its layers in topological order, and which feeds which.
+
+Keras keeps the graph of a ``Sequential`` or functional model in private
+attributes (``_nodes_by_depth``, ``_inbound_nodes``, ``_keras_history``); this
+module is the only place that reads them, so a change of Keras's internals has
+one home. A subclassed model has no graph: :func:`is_graph` says so, and the
+callers refuse it with their own reason. Wrappers that hold the real model as
+``inner`` (micro-batching, gradient accumulation) are seen through by
+:func:`unwrap`.
+
+>>> inputs = keras.Input((4,))
+>>> hidden = keras.layers.Dense(3, name="hidden")(inputs)
+>>> model = keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden))
+>>> [call.layer.name for call in read(model).calls]
+['hidden', 'out']
+>>> [layer.name for layer in sources(model.get_layer("out"))], [layer.name for layer in output_layers(model)]
+(['hidden'], ['out'])
+"""
+
+import typing
+
+import keras
+
+
+class Call(typing.NamedTuple):
+    """One call of a layer (or of an operation on tensors) in the graph, with the keys of its tensors."""
+
+    layer: object
+    inputs: tuple
+    output: int
+
+
+class Graph(typing.NamedTuple):
+    """A model's calls in a topological order, between the keys of its input and output tensors."""
+
+    input: int
+    calls: list
+    output: int
+
+    def shared_layers(self):
+        """The names of the layers called more than once (shared weights), sorted."""
+        names = [call.layer.name for call in self.calls]
+        return sorted({name for name in names if names.count(name) > 1})
+
+
+def unwrap(model):
+    """``model`` through the wrappers that hold the real model as ``inner``."""
+    while hasattr(model, "inner"):
+        model = model.inner
+    return model
+
+
+def is_graph(model):
+    """Whether ``model`` is a ``keras.Sequential`` or functional model: a graph of layers to read."""
+    return isinstance(model, keras.Sequential) or (isinstance(model, keras.Model) and hasattr(model, "_nodes_by_depth"))
+
+
+def read(model):
+    """The :class:`Graph` of ``model`` (``Sequential``, or functional with one input and one output).
+
+    The caller checks :func:`is_graph` and the number of inputs and outputs
+    first; an operation called on tensors (``a + b``) appears as a call whose
+    ``layer`` is no ``keras.layers.Layer``.
+    """
+    if isinstance(model, keras.Sequential):
+        layers = list(model.layers)
+        return Graph(0, [Call(layer, (i,), i + 1) for i, layer in enumerate(layers)], len(layers))
+    calls = [Call(node.operation, tuple(id(t) for t in keras.tree.flatten(node.input_tensors)), id(node.outputs[0]))
+             for depth in sorted(model._nodes_by_depth, reverse=True)
+             for node in model._nodes_by_depth[depth] if not node.is_input]
+    return Graph(id(model.inputs[0]), calls, id(model.outputs[0]))
+
+
+def sources(layer):
+    """The layers whose outputs ``layer`` takes as inputs (in its first call in the model)."""
+    node = layer._inbound_nodes[0]
+    return [tensor._keras_history.operation for tensor in keras.tree.flatten(node.input_tensors)]
+
+
+def output_layers(model):
+    """The layers that compute ``model``'s outputs (through wrappers, see :func:`unwrap`)."""
+    model = unwrap(model)
+    if isinstance(model, keras.Sequential):
+        return model.layers[-1:]
+    return [output._keras_history.operation for output in model.outputs]
