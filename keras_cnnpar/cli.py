@@ -215,10 +215,10 @@ def _mesh(value):
 
 def _launch_workers(workers):
     """Run this command in ``workers`` local processes (each finds TF_CONFIG set); exit with a failure's code."""
-    from keras_cnnpar import cluster
+    from keras_cnnpar import local_workers
 
-    code = cluster.launch(python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())),
-                          workers)
+    code = local_workers.launch(python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())),
+                                workers)
     if code:
         sys.exit(code)
 
@@ -441,10 +441,10 @@ def launch(workers, command):
     Ctrl-C are passed on. The same script runs on several hosts with
     TF_CONFIG and CNNPAR_MULTI_WORKER=1 set on each.
     """
-    from keras_cnnpar import cluster
+    from keras_cnnpar import cluster, local_workers
 
     command = [sys.executable if command[0] in ("python", "python3") else command[0], *command[1:]]
-    code = cluster.launch(command, workers, env={cluster.JOIN_AT_IMPORT: "1"})
+    code = local_workers.launch(command, workers, env={cluster.JOIN_AT_IMPORT: "1"})
     if code:
         sys.exit(code)
 
@@ -465,10 +465,10 @@ def cluster_start(workers, ps, spec_path):
     Train on them with `cnnpar train --strategy async-ps --cluster SPEC`; end
     them with `cnnpar cluster stop --spec SPEC`.
     """
-    from keras_cnnpar import cluster
+    from keras_cnnpar import network, servers
 
     try:
-        config = cluster.start_servers(workers, ps, spec_path)
+        config = servers.start_servers(workers, ps, spec_path)
     except FileExistsError as error:
         raise click.BadParameter(str(error), param_hint="--spec") from None
     except OSError as error:
@@ -480,7 +480,7 @@ def cluster_start(workers, ps, spec_path):
         raise click.ClickException(str(error)) from None
     click.echo(f"started {workers} workers and {ps} parameter servers: {config['cluster']}; spec in {spec_path}")
     ports = [address.rpartition(":")[2] for addresses in config["cluster"].values() for address in addresses]
-    click.echo(cluster.exposure_warning("cluster", ports), err=True)
+    click.echo(network.exposure_warning("cluster", ports), err=True)
 
 
 @cluster_group.command("stop")
@@ -488,10 +488,10 @@ def cluster_start(workers, ps, spec_path):
               help="The spec file `cnnpar cluster start` wrote.")
 def cluster_stop(spec_path):
     """End the server processes of a spec file and remove it."""
-    from keras_cnnpar import cluster
+    from keras_cnnpar import servers
 
     try:
-        stopped = cluster.stop_servers(spec_path)
+        stopped = servers.stop_servers(spec_path)
     except (FileNotFoundError, ValueError) as error:
         raise click.BadParameter(str(error), param_hint="--spec") from None
     click.echo(f"stopped {stopped} server processes; removed {spec_path}")
@@ -513,11 +513,11 @@ def cluster_serve(spec_path, job, index):
     sent to it, unauthenticated: use it on trusted networks only (docs/strategies.md).
     """
     _quiet_tensorflow()
-    from keras_cnnpar import cluster
+    from keras_cnnpar import cluster, servers
 
     try:
         spec = cluster.parse_spec(spec_path)
-        cluster.serve(spec, job, index, announce=True)
+        servers.serve(spec, job, index, announce=True)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--cluster/--job/--index") from None
 

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import cli, cluster
+from keras_cnnpar import cli, cluster, servers
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -112,7 +112,7 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped 2 server processes" in stopped.stdout  # the killed worker was already gone
     assert not spec.exists()
-    assert not any(cluster._is_server(pid, config) for job in pids.values() for pid in job)
+    assert not any(servers._is_server(pid, config) for job in pids.values() for pid in job)
 
 
 def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path):
@@ -217,7 +217,7 @@ def test_cluster_stop_refuses_a_spec_whose_pids_are_another_clusters_servers(tmp
         first = config["pids"]["worker"][0]
         assert f"process {first} is not a server this spec started (another command line or start time); " \
                f"refusing to signal anything" in " ".join(refused.stderr.split())
-        assert all(cluster._is_server(pid, config) for job in config["pids"].values() for pid in job)
+        assert all(servers._is_server(pid, config) for job in config["pids"].values() for pid in job)
         assert mine.exists()
     finally:
         stopped = subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(theirs)), env=ENV,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cluster
+from keras_cnnpar import checkpoints, network
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -209,7 +209,7 @@ def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_
         environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
         tf_config = json.loads(next(v for v in environ if v.startswith(b"TF_CONFIG="))[len("TF_CONFIG="):])
         ports = {int(address.rpartition(":")[2]) for address in tf_config["cluster"]["worker"]}
-        if cluster.private_network_available():
+        if network.private_network_available():
             assert os.readlink(f"/proc/{worker}/ns/net") != os.readlink("/proc/self/ns/net")
             assert ports <= listening_ports(Path(f"/proc/{worker}/net"))  # they listen, in the workers' network
             assert not ports & listening_ports(Path("/proc/self/net"))  # and nothing on this machine's

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, checkpoints, precise_bn, rebuild
+from keras_cnnpar import arguments, checkpoints, network, precise_bn, rebuild
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import async_remote, base, loop
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -143,11 +143,11 @@ class AsyncPS(CheckpointedStrategy):
         self.remote = _runtime_started()
         if self.remote:
             if self.spec is not None:
-                cluster_lib.wait_reachable(self.spec, self.timeout)
+                network.wait_reachable(self.spec, self.timeout)
             self.cluster, self._strategy, self.coordinator = self.spec, None, None
             return
         self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
-        cluster_lib.wait_reachable({job: tasks for job, tasks in self.cluster.items() if job != "chief"}, self.timeout)
+        network.wait_reachable({job: tasks for job, tasks in self.cluster.items() if job != "chief"}, self.timeout)
         self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True), coordinator)
 
     def options(self):
@@ -281,7 +281,7 @@ class AsyncRun(base.Run):
             yield
         except tf.errors.OpError as error:
             cluster = self.strategy.cluster
-            lost = cluster_lib.unreachable({"ps": cluster["ps"]})
+            lost = network.unreachable({"ps": cluster["ps"]})
             if not lost:
                 raise
             run = self.checkpoint
@@ -317,7 +317,7 @@ class _AsyncLoop:
         return {**logs, "loss": float(loss.mean()), "staleness_mean": float(staleness.mean()),
                 "staleness_max": float(staleness.max()),
                 "steps_applied": float(int(self.applied.numpy()) - applied_before),
-                "lost_workers": float(len(cluster_lib.unreachable(self.workers)))}
+                "lost_workers": float(len(network.unreachable(self.workers)))}
 
     def _group(self, size):
         """The ``tf.function`` that runs ``size`` steps on one worker (traced once per size)."""
@@ -410,7 +410,7 @@ def _in_process_cluster(workers, ps, tries=3):
                 raise ConnectionError(f"cannot start the in-process cluster: {tries} tries on fresh ports failed; "
                                       f"the last one: {error}") from None
     ports = [address.rpartition(":")[2] for addresses in spec.values() for address in addresses]
-    print(cluster_lib.exposure_warning("in-process cluster", ports), file=sys.stderr, flush=True)
+    print(network.exposure_warning("in-process cluster", ports), file=sys.stderr, flush=True)
     return spec
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import cluster, rebuild
+from keras_cnnpar import local_workers, rebuild
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import RunSettings, create
 from keras_cnnpar.subprocesses import python_command
@@ -56,7 +56,7 @@ def fit(run, train, *, epochs, steps, validation_data, validation_steps, callbac
                     "validation_steps": validation_steps if validation_data is not None else None}}))
         child = subprocess.Popen(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder)),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 preexec_fn=cluster.die_with(os.getpid()))  # killed, the user's process leaves none
+                                 preexec_fn=local_workers.die_with(os.getpid()))  # the user's process leaves none
         try:
             history = loop.run_epochs(
                 prepared, lambda epoch, _: _next_epoch(child, folder, prepared), epochs=epochs, steps=steps,

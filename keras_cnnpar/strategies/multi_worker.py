@@ -10,7 +10,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import arguments, checkpoints, rebuild
+from keras_cnnpar import arguments, checkpoints, local_workers, rebuild
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -20,7 +20,7 @@ class Preempted(SystemExit):
     """Raised in every worker after a preemption checkpoint was saved; exits with code 42."""
 
     def __init__(self, checkpoint_dir):
-        super().__init__(cluster_lib.PREEMPTED_EXIT_CODE)
+        super().__init__(local_workers.PREEMPTED_EXIT_CODE)
         self.checkpoint_dir = checkpoint_dir
 
     def __str__(self):
