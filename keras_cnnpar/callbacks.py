@@ -178,7 +178,12 @@ class RunRecorder(keras.callbacks.Callback):
 
 
 def run_callbacks(info, results_dir, report=None):
-    """The logging callbacks of one run, in their order: ``[EpochLogger, RunRecorder]``."""
+    """The logging callbacks of one run, in their order: ``[EpochLogger, RunRecorder]``.
+
+    ``runs.csv`` is made ready first (an older one migrated, one that cannot be
+    refused with a ``ValueError``), so a run never trains to find no place for its row.
+    """
+    runs.prepare_runs_csv(results_dir)
     epochs = EpochLogger(info, results_dir)
     return [epochs, RunRecorder(info, results_dir, epochs, report)]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from keras_cnnpar import runs
+from keras_cnnpar.atomic import write_atomic
 
 
 class RunCheckpoint:
@@ -98,7 +98,7 @@ class RunCheckpoint:
         """Write the run's configuration beside the checkpoint (with the first checkpoint)."""
         if self.config:
             self.directory.mkdir(parents=True, exist_ok=True)
-            runs.write_atomic(self.directory / self.CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
+            write_atomic(self.directory / self.CONFIG, json.dumps(self.config, indent=2, sort_keys=True) + "\n")
 
     def save(self, completed_epochs):
         """Write the checkpoint after ``completed_epochs``; the previous one goes once this one is complete."""

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import runs
+from keras_cnnpar.atomic import write_atomic
 
 DEFAULT_SOURCE = "mnist-5k"
 IMAGE_SIDE = 28
@@ -295,5 +295,5 @@ def _pixels(images):
 
 
 def _write_csv(path, header, rows):
-    runs.write_atomic(path, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
+    write_atomic(path, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
                                                                     header=",".join(header), comments=""))

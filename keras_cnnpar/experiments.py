@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from keras_cnnpar import registry, runs
+from keras_cnnpar.atomic import write_atomic
 from keras_cnnpar.subprocesses import python_command
 
 #: Summary columns, in order.
@@ -165,10 +166,10 @@ def write_report(results_dir):
     if not rows:
         raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
                          f"Received: --results {results_dir}")
-    runs.write_atomic(results_dir / "summary.csv", runs.csv_text(SUMMARY_COLUMNS, [
+    write_atomic(results_dir / "summary.csv", runs.csv_text(SUMMARY_COLUMNS, [
         {k: _cell(v) for k, v in row.items()} for row in rows]))
     markdown = markdown_table(rows)
-    runs.write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
+    write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
     plot(results_dir, rows)
     return rows, markdown
 
@@ -217,7 +218,7 @@ def plot(results_dir, rows):
 
 def _save(figure, path):
     figure.tight_layout()
-    runs.write_atomic(path, None, write=lambda partial: figure.savefig(partial, dpi=100))
+    write_atomic(path, None, write=lambda partial: figure.savefig(partial, dpi=100))
     from matplotlib import pyplot
 
     pyplot.close(figure)

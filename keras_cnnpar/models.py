@@ -15,14 +15,27 @@ import keras
 from keras import layers
 
 from keras_cnnpar.runs import MODEL_NAMES
-from keras_cnnpar.training import parallel
 
 #: The model kinds :func:`cnn` builds.
 KINDS = tuple(MODEL_NAMES)
 
 
 def cnn(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
-    """Build and compile one of the original CNNs; its ``fit`` accepts ``strategy=``.
+    """Build and compile one of the zoo's CNNs (see :func:`build`); its ``fit`` accepts ``strategy=``.
+
+    The training machinery is imported here, when a model is made to train,
+    so that importing the zoo (to export or serve a model) never loads it.
+
+    >>> cnn("resnet").count_params()
+    78426
+    """
+    from keras_cnnpar.training import parallel  # the one use of training: the `fit` hook
+
+    return parallel(build(kind, input_shape=input_shape, num_classes=num_classes))
+
+
+def build(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
+    """Build and compile one of the original CNNs, as a plain Keras model.
 
     - ``"2+2"``: conv5x5x32, pool, conv5x5x64, pool, fc1024, dropout 0.5, fc10; Adam 5e-4.
     - ``"3+3"``: pad+conv3x3x32, pad+conv3x3x48, pool, pad+conv3x3x32, pool, fc128,
@@ -39,8 +52,8 @@ def cnn(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
     All are channels-last, end in a softmax, and use sparse categorical
     cross-entropy on integer labels with accuracy as the metric.
 
-    >>> cnn("resnet").count_params()
-    78426
+    >>> build("2+2").count_params()
+    3274634
 
     Args:
         kind: ``"2+2"``, ``"3+3"`` or ``"resnet"``.
@@ -52,7 +65,7 @@ def cnn(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
         raise ValueError(f"model must be one of {sorted(builders)}. Received: model={kind!r}")
     model, optimizer = builders[kind](keras.Input(shape=tuple(input_shape)), num_classes, MODEL_NAMES[kind])
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return parallel(model)
+    return model
 
 
 def _two_plus_two(inputs, num_classes, name):

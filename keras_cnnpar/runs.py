@@ -1,4 +1,4 @@
-"""The results folder: the names of a run's files, ``runs.csv`` and its speedup rule, and atomic writes.
+"""The results folder: the names of a run's files, ``runs.csv`` (its columns, migration and speedup rule), the log.
 
 This module knows the folder's layout and nothing of TensorFlow; every other
 module asks it for a name or a row. A run configuration's files are named as
@@ -27,10 +27,11 @@ import fcntl
 import io
 import os
 import statistics
-import tempfile
 import warnings
 from datetime import datetime
 from pathlib import Path
+
+from keras_cnnpar.atomic import write_atomic
 
 FRAMEWORK = "keras_tensorflow"
 
@@ -113,54 +114,29 @@ def csv_text(columns, rows):
     return buffer.getvalue()
 
 
-def write_atomic(path, content, write=None):
-    """Write ``path`` all at once: a unique temporary file in the same folder, flushed, fsynced, then renamed.
-
-    ``content`` is text or bytes; or give ``write(temporary_path)`` to let
-    another library write the temporary file (its name keeps ``path``'s
-    suffixes). A reader sees the old file or the new one, never half of one,
-    and a failed write leaves the old file as it was.
-
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> write_atomic(folder / "a.txt", "hello")
-    >>> (folder / "a.txt").read_text(), sorted(p.name for p in folder.iterdir())
-    ('hello', ['a.txt'])
-    """
-    path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".partial" + "".join(path.suffixes),
-                                             dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            if write is None:
-                file.write(content.encode("utf-8") if isinstance(content, str) else content)
-        if write is not None:
-            write(temporary)
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 @contextlib.contextmanager
 def locked(path):
     """``path`` opened for reading and appending (created if missing) under an exclusive ``flock``.
 
     Every append to a shared file of the results folder (``runs.csv``,
     ``results.log``) goes through it, so concurrent runs into one folder never
-    interleave their writes nor both write a header.
+    interleave their writes nor both write a header. A file replaced while
+    this process waited for the lock (a migrated ``runs.csv``) is opened again.
     """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", newline="", encoding="utf-8") as file:
-        fcntl.flock(file.fileno(), fcntl.LOCK_EX)
-        try:
-            file.seek(0)
-            yield file
-            file.flush()
-            os.fsync(file.fileno())
-        finally:
-            fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+    while True:
+        with open(path, "a+", newline="", encoding="utf-8") as file:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+            try:
+                if os.path.exists(path) and os.stat(path).st_ino != os.fstat(file.fileno()).st_ino:
+                    continue  # replaced while this process waited: lock the new file instead
+                file.seek(0)
+                yield file
+                file.flush()
+                os.fsync(file.fileno())
+                return
+            finally:
+                fcntl.flock(file.fileno(), fcntl.LOCK_UN)
 
 
 def append_line(path, line):
@@ -204,21 +180,79 @@ def speedup_and_efficiency(strategy, devices, throughput, baseline):
     return speedup, round(speedup / int(devices), 4)
 
 
+def prepare_runs_csv(results_dir):
+    """Make ``runs.csv`` of ``results_dir`` ready for a row, before a run trains; raise ``ValueError`` if it cannot be.
+
+    A file written with an older set of columns (every one of them still in
+    ``RUNS_COLUMNS``) is migrated in place, atomically: the current header,
+    the old rows with the new columns empty; a ``UserWarning`` names the
+    added columns. A file with columns this version does not know is
+    refused, with the file, the header expected and received, and what to do.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / RUNS_CSV).write_text("timestamp,model\\n2026,m\\n")
+    >>> import warnings; warnings.simplefilter("ignore")
+    >>> prepare_runs_csv(folder)
+    >>> [row["model"] for row in read_csv(folder / RUNS_CSV)], read_csv(folder / RUNS_CSV)[0]["strategy"]
+    (['m'], '')
+    """
+    path = Path(results_dir) / RUNS_CSV
+    if not path.exists():
+        return
+    with locked(path) as file:
+        text = file.read()
+        migrated = _migrated(path, text)
+        if migrated != text:
+            write_atomic(path, migrated)
+
+
+def _migrated(path, text):
+    """``text`` of ``runs.csv`` under the current header (a ``UserWarning`` when it had older columns)."""
+    lines = text.splitlines(keepends=True)
+    header = next(csv.reader(lines[:1]), None)
+    if header is None or header == RUNS_COLUMNS:
+        return text
+    if not set(header) <= set(RUNS_COLUMNS) or len(set(header)) != len(header):
+        raise ValueError(f"{path}, line 1: expected the header {','.join(RUNS_COLUMNS)} (or an older one with some "
+                         f"of these columns). Received: {','.join(header)[:80]!r}; move the file aside or fix it, "
+                         f"then run again (a missing runs.csv is started anew)")
+    rows = []
+    for number, values in enumerate(csv.reader(lines[1:]), start=2):
+        if len(values) != len(header):
+            warnings.warn(f"{path}, line {number}: expected {len(header)} comma-separated values. Received: "
+                          f"{len(values)} values; the line is dropped in the migration", stacklevel=4)
+            continue
+        rows.append(dict(zip(header, values)))
+    migrated = csv_text(RUNS_COLUMNS, rows)
+    added = [column for column in RUNS_COLUMNS if column not in header]
+    warnings.warn(f"{path}: migrated to this version's columns; added {','.join(added)} (empty in the "
+                  f"{len(rows)} earlier rows)", stacklevel=4)
+    return migrated
+
+
 def append_run(results_dir, info, epochs):
     """Append the row of a finished run (its :class:`RunInfo` and epoch rows) to ``runs.csv``; return it.
 
-    A damaged ``runs.csv`` never fails the run: a file whose header is not
-    ``RUNS_COLUMNS`` is left alone (the row is not recorded there), and lines
+    An older ``runs.csv`` is migrated first (:func:`prepare_runs_csv`, which a
+    run calls before training too). A damaged line never fails the run: lines
     with the wrong number of values are skipped when looking for the Single
-    baseline; each problem is a warning that names the file and the line.
+    baseline, each with a warning that names the file and the line; a file
+    that became unusable during the run keeps its content, and the row is not
+    recorded there (a warning says so).
     """
     path = Path(results_dir) / RUNS_CSV
     with locked(path) as file:
         text = file.read()
-        rows, usable = _recorded_rows(path, text)
+        try:
+            migrated = _migrated(path, text)
+        except ValueError as error:
+            warnings.warn(f"{error}; this run's row was not recorded there", stacklevel=3)
+            return None
         throughput = run_throughput(epochs)
         speedup, efficiency = speedup_and_efficiency(
-            info.strategy, info.devices, throughput, single_throughput(rows, info.model, info.global_batch))
+            info.strategy, info.devices, throughput,
+            single_throughput(_recorded_rows(path, migrated), info.model, info.global_batch))
         last = epochs[-1]
         row = {
             "timestamp": now(), "model": info.model, "strategy": info.strategy, "devices": info.devices,
@@ -228,25 +262,22 @@ def append_run(results_dir, info, epochs):
             "images_per_second": throughput, "speedup": speedup, "efficiency": efficiency,
             "epoch_csv": info.epoch_csv,
         }
-        if usable:
-            file.write("" if not text or text.endswith("\n") else "\n")  # after a line cut short
-            writer = csv.DictWriter(file, RUNS_COLUMNS)
-            if not text:
-                writer.writeheader()
-            writer.writerow(row)
+        if migrated != text:  # the migrated file and the row replace the old file at once
+            write_atomic(path, migrated + csv_text(RUNS_COLUMNS, [row]).split("\n", 1)[1])
+            return row
+        file.write("" if not text or text.endswith("\n") else "\n")  # after a line cut short
+        writer = csv.DictWriter(file, RUNS_COLUMNS)
+        if not text:
+            writer.writeheader()
+        writer.writerow(row)
     return row
 
 
 def _recorded_rows(path, text):
-    """``(rows, usable)``: the well-formed rows of ``runs.csv``'s ``text``, and whether a row may be appended."""
+    """The well-formed rows of ``text``, the content of ``runs.csv`` under the current header."""
     lines = list(csv.reader(io.StringIO(text)))
     if not lines:
-        return [], True
-    if lines[0] != RUNS_COLUMNS:
-        warnings.warn(f"{path}, line 1: expected the header {','.join(RUNS_COLUMNS)}. Received: "
-                      f"{','.join(lines[0])[:80]!r}; this run's row was not recorded there (move or fix the file)",
-                      stacklevel=3)
-        return [], False
+        return []
     rows = []
     for number, values in enumerate(lines[1:], start=2):
         if len(values) != len(RUNS_COLUMNS):
@@ -254,4 +285,4 @@ def _recorded_rows(path, text):
                           f"{len(values)} values; the line is ignored", stacklevel=3)
             continue
         rows.append(dict(zip(RUNS_COLUMNS, values)))
-    return rows, True
+    return rows

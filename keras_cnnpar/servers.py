@@ -21,7 +21,8 @@ from pathlib import Path
 
 import click
 
-from keras_cnnpar import network, runs, startup
+from keras_cnnpar import network, startup
+from keras_cnnpar.atomic import write_atomic
 from keras_cnnpar.cluster import local_spec, parse_json, parse_spec
 from keras_cnnpar.subprocesses import python_command
 
@@ -54,7 +55,7 @@ def start_servers(workers, ps, spec_path, *, timeout=60, tries=3):
             except _PortTaken as taken:
                 if attempt == tries:
                     raise ConnectionError(f"{taken}; {tries} tries on fresh ports all failed") from None
-        runs.write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
+        write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
         return config
     except BaseException:
         spec_path.unlink(missing_ok=True)

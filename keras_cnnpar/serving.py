@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
 from keras_cnnpar import runs
+from keras_cnnpar.atomic import write_atomic
 from keras_cnnpar.subprocesses import python_command
 
 SIGNATURE = "serving_default"
@@ -182,7 +183,7 @@ def _move_into_place(staging, target):
 def save_weights(model, path):
     """Save ``model``'s weights to ``path`` (ending in ``.weights.h5``) through a temporary file and a rename."""
     path = Path(path)
-    runs.write_atomic(path, None, write=model.save_weights)
+    write_atomic(path, None, write=model.save_weights)
     return path
 
 
@@ -197,7 +198,7 @@ def load_weights(path, kind=None):
                          f"({sorted(runs.MODEL_NAMES)}). Received: model=None")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found. Received: weights={path}")
-    model = models.cnn(kind)
+    model = models.build(kind)
     model.optimizer.build(model.trainable_variables)  # the file holds the optimizer state too
     model.load_weights(path)
     return model
@@ -218,6 +219,6 @@ def predict_csv(model_dir, test_csv, out, *, batch_size=512):
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = np.column_stack([np.arange(1, len(classes) + 1), classes])
-    runs.write_atomic(out, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
+    write_atomic(out, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
                                                                    header="ImageId,Label", comments=""))
     return len(rows)

@@ -1,6 +1,9 @@
 """The package's shape: no import cycle, tf.distribute and DTensor only where they belong, tests that stand alone."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,17 @@ def test_no_test_module_imports_another_or_the_conftest():
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         offending = {m for m in imported if m.split(".")[-1].startswith("test_") or m.endswith("conftest")}
         assert not offending, (path.name, offending)
+
+
+def test_exporting_a_zoo_model_loads_neither_training_nor_the_strategies(tmp_path):
+    script = (
+        "import sys\n"
+        "from keras_cnnpar import models, serving\n"
+        f"serving.export(models.build('3+3'), {str(tmp_path / 'export')!r}, verify=False)\n"
+        "print(sorted(m for m in sys.modules if m == 'keras_cnnpar.training' "
+        "or m.startswith('keras_cnnpar.strategies')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[]"
+    assert (tmp_path / "export" / "1" / "saved_model.pb").exists()

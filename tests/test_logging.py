@@ -151,15 +151,33 @@ def test_a_rerun_that_fails_before_its_first_epoch_leaves_the_previous_file(smal
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "results.log", "runs.csv"])  # no temp
 
 
-def test_a_damaged_runs_csv_costs_a_warning_not_the_run(small_cnn, tmp_path, train):
+def test_a_runs_csv_of_unknown_columns_is_refused_before_training_and_left_alone(small_cnn, tmp_path, train):
     (tmp_path / "runs.csv").write_text("timestamp;model;strategy\n2026;m;single\n")
-    with pytest.warns(UserWarning) as warned:
-        history = train(small_cnn(), tmp_path, epochs=1)
-    assert [str(w.message) for w in warned] == [
-        f"{tmp_path / 'runs.csv'}, line 1: expected the header {','.join(runs.RUNS_COLUMNS)}. Received: "
-        f"'timestamp;model;strategy'; this run's row was not recorded there (move or fix the file)"]
+    with pytest.raises(ValueError) as raised:
+        train(small_cnn(), tmp_path, epochs=1)
+    assert str(raised.value) == (
+        f"{tmp_path / 'runs.csv'}, line 1: expected the header {','.join(runs.RUNS_COLUMNS)} (or an older one with "
+        f"some of these columns). Received: 'timestamp;model;strategy'; move the file aside or fix it, then run "
+        f"again (a missing runs.csv is started anew)")
     assert (tmp_path / "runs.csv").read_text() == "timestamp;model;strategy\n2026;m;single\n"  # left alone
-    assert history.history["loss"] and read(tmp_path / CSV_NAME.format("single_1dev"))  # the run went on
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.csv"]  # nothing trained, nothing written
+
+
+def test_a_runs_csv_of_an_older_version_is_migrated_keeping_its_rows(small_cnn, tmp_path, train):
+    old_columns = [c for c in runs.RUNS_COLUMNS if c not in ("efficiency", "epoch_csv")]  # as if added later
+    old_row = dict.fromkeys(old_columns, "") | {"model": "small_cnn", "strategy": "single", "global_batch": "64",
+                                              "images_per_second": "5000"}
+    (tmp_path / "runs.csv").write_text(runs.csv_text(old_columns, [old_row]))
+    with pytest.warns(UserWarning) as warned:
+        train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
+    assert [str(w.message) for w in warned] == [
+        f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added efficiency,epoch_csv (empty in the 1 "
+        f"earlier rows)"]
+    rows = read(tmp_path / "runs.csv")
+    assert list(rows[0]) == runs.RUNS_COLUMNS and len(rows) == 2
+    assert {k: rows[0][k] for k in ("model", "images_per_second", "efficiency")} == {
+        "model": "small_cnn", "images_per_second": "5000", "efficiency": ""}
+    assert float(rows[1]["speedup"]) == pytest.approx(float(rows[1]["images_per_second"]) / 5000, abs=1e-3)
 
 
 def test_a_line_cut_short_is_skipped_with_a_warning_and_the_row_still_lands(small_cnn, tmp_path, train):
