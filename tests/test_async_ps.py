@@ -66,8 +66,10 @@ def test_in_process_cluster_trains_the_resnet_within_3_points_of_single(tmp_path
         assert float(epoch["staleness_max"]) >= 1.0
         assert 0.0 < float(epoch["staleness_mean"]) < float(epoch["staleness_max"])
         assert float(epoch["lost_workers"]) == 0.0
+        assert float(epoch["precise_bn_batches"]) == 16.0  # precise BN's statistics, from the default 16 batches
     log = (tmp_path / "results" / "results.log").read_text()
     assert "layout async-ps: 2 workers, 1 parameter servers (in-process cluster" in log
+    assert "; BatchNormalization statistics recomputed from 16 batches after each epoch" in log
     assert "learning rate x1 (scale_lr=None)" in log  # the default keeps the rate (docs/strategies.md)
     assert "BatchNormalization statistics recomputed from 16 batches after each epoch" in log
 

@@ -231,6 +231,8 @@ class AsyncRun(base.Run):
     def __init__(self, strategy, settings, model, checkpoint):
         super().__init__(strategy, settings, model, checkpoint)
         self.precise = precise_bn.PreciseBatchNorm(model) if strategy.precise_bn else None
+        if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
+            self.precise = None
         self.held = _bytes_per_task(model.weights)
 
     def report(self):
@@ -238,7 +240,7 @@ class AsyncRun(base.Run):
         lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
                  + ("; each gradient divided by its staleness" if strategy.staleness_aware else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
-                    if self.precise and self.precise.statistics else ""),
+                    if self.precise else ""),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
                    for task, (count, size) in sorted(self.held.items())),
                  self.resumed_line()]
@@ -258,7 +260,8 @@ class AsyncRun(base.Run):
             callback_list.on_train_batch_begin(0)
             logs = async_loop.run_epoch(steps)
             if self.precise:
-                self.precise.update(prepared, itertools.islice(statistics_batches, strategy.precise_bn))
+                batches = itertools.islice(statistics_batches, strategy.precise_bn)
+                logs["precise_bn_batches"] = float(self.precise.update(prepared, batches))
             callback_list.on_train_batch_end(steps - 1, logs)
             return logs
 
