@@ -4,7 +4,8 @@ A strategy is a class in a module of ``keras_cnnpar/strategies/`` decorated
 with ``@register("alias")``. It declares, as plain class attributes, a one-line
 ``description``, the device counts it runs on (``min_devices``,
 ``max_devices``, ``device_multiple``), the ``cnnpar train`` option that sets
-that count (``device_option``) and whether it ``keeps_checkpoints``; the
+that count (``device_option``), whether it ``keeps_checkpoints`` and whether it
+``needs_cluster`` (TensorFlow servers and processes beyond the caller's); the
 options it takes are its ``__init__`` parameters. The CLI's help and option
 checks, the sweep's plan and the tests derive from these facts, which are read
 from the source, so ``cnnpar --help`` stays instant; :func:`load` imports the
@@ -12,6 +13,8 @@ class itself when it is needed.
 
 >>> names()
 ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
+>>> names(needs_cluster=True)
+['async-ps', 'multi-worker']
 >>> entry("hybrid").invalid(2)
 'hybrid needs a multiple of 2 devices, at least 4'
 >>> "devices" in entry("mirrored").options, "devices" in entry("single").options
@@ -26,7 +29,8 @@ from pathlib import Path
 
 STRATEGIES = Path(__file__).parent / "strategies"
 #: Class attributes a strategy declares; the base ``Strategy`` (in ``strategies/base.py``) sets their defaults.
-FACTS = ("description", "min_devices", "max_devices", "device_multiple", "device_option", "keeps_checkpoints")
+FACTS = ("description", "min_devices", "max_devices", "device_multiple", "device_option", "keeps_checkpoints",
+         "needs_cluster")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Entry:
     device_multiple: int
     device_option: str | None
     keeps_checkpoints: bool
+    needs_cluster: bool
 
     def invalid(self, devices):
         """Why this strategy cannot run on ``devices`` devices, or None."""

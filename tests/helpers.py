@@ -17,13 +17,16 @@ import keras
 import numpy as np
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, cluster, models, training
+from keras_cnnpar import cli, cluster, models, registry, training
 
 #: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
 FLOORS = {"2+2": 0.93, "3+3": 0.92, "resnet": 0.92}  # resnet under Single: 0.939, 0.952, 0.956 (seeds 0-2)
 #: Set by the root conftest.py for the whole session: every process the suite starts inherits it, so the
 #: end-of-session check can find any left behind.
 SUITE_MARK = "CNNPAR_TEST_SUITE"
+#: The registered strategies that train in the test's own process; the others (registry fact ``needs_cluster``)
+#: are tested with processes of their own.
+IN_PROCESS = registry.names(needs_cluster=False)
 #: The environment of every subprocess the tests start.
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 

@@ -7,9 +7,9 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from tests.helpers import build_small_cnn, epoch_column
+from tests.helpers import IN_PROCESS, build_small_cnn, epoch_column
 
-STRATEGIES = ["single", "mirrored", cnnpar.LayerPlacement(2), cnnpar.ChannelSharded(2), cnnpar.Hybrid(2, 2)]
+STRATEGIES = IN_PROCESS
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import keras_cnnpar as cnnpar
 from keras_cnnpar import rebuild
 from keras_cnnpar.strategies import RunSettings
-from tests.helpers import build_small_cnn, max_difference, max_weight_difference, one_sgd_step
+from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 
 #: bfloat16 keeps 8 significant bits: every product and partial sum is rounded to about 0.4%, and two strategies
 #: round in different places (a convolution as im2col matmul, a gradient summed over replicas). Through the
@@ -25,8 +25,8 @@ def single_bf16(batch):
     return one_step("single", "mixed_bfloat16", batch)
 
 
-@pytest.mark.parametrize("strategy", ["mirrored", cnnpar.LayerPlacement(2, microbatches=2), cnnpar.ChannelSharded(2),
-                                      cnnpar.Hybrid(2, 2)], ids=str)
+@pytest.mark.parametrize("strategy", [cnnpar.LayerPlacement(2, microbatches=2) if alias == "layers" else alias
+                                      for alias in IN_PROCESS if alias != "single"], ids=str)
 def test_one_bfloat16_step_matches_bfloat16_single(strategy, batch, single_bf16):
     step = max_weight_difference(single_bf16, build_small_cnn(seed=1))
     assert step > 1e-3  # the step moved the weights

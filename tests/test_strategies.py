@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import devices, rebuild, registry, strategies
-from tests.helpers import build_small_cnn, max_difference, max_weight_difference, one_sgd_step
+from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 
 #: The aliases of the public API: a new strategy may join them, none may go.
 NAMES_OF_THE_API = ["async-ps", "channels", "hybrid", "layers", "mirrored", "multi-worker", "single"]
@@ -25,8 +25,9 @@ def test_every_registered_alias_names_a_strategy_class_that_declares_it():
         assert issubclass(cls, strategies.Strategy) and cls.alias == entry.alias
         assert entry.description and entry.description == cls.description
         assert (entry.min_devices, entry.max_devices, entry.device_multiple, entry.device_option,
-                entry.keeps_checkpoints) == (cls.min_devices, cls.max_devices, cls.device_multiple,
-                                             cls.device_option, cls.keeps_checkpoints)
+                entry.keeps_checkpoints, entry.needs_cluster) == (
+            cls.min_devices, cls.max_devices, cls.device_multiple, cls.device_option, cls.keeps_checkpoints,
+            cls.needs_cluster)
         assert set(entry.options) == set(inspect.signature(cls).parameters)
 
 
@@ -177,7 +178,7 @@ def test_resume_is_for_strategies_that_keep_a_checkpoint(small_cnn, digits):
         cnnpar.fit(small_cnn(), digits.x[:64], digits.y[:64], strategy="single", resume=True, results_dir=None)
 
 
-@pytest.mark.parametrize("alias", strategies.names(keeps_checkpoints=False))  # the others: tests/test_any_order.py
+@pytest.mark.parametrize("alias", IN_PROCESS)  # the others: tests/test_any_order.py
 def test_fit_leaves_the_strategy_as_it_was_and_a_second_fit_owes_nothing_to_the_first(alias, batch):
     strategy = strategies.resolve(alias)
     configuration = dict(vars(strategy))

@@ -13,10 +13,10 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.user_callbacks import UserModelCallbacks
-from tests.helpers import build_small_cnn, max_difference
+from tests.helpers import IN_PROCESS, build_small_cnn, max_difference
 
-STRATEGIES = ["single", "mirrored", cnnpar.LayerPlacement(2, microbatches=2), cnnpar.ChannelSharded(2),
-              cnnpar.Hybrid(2, 2)]
+#: Every in-process strategy, the layer placement pipelined.
+STRATEGIES = [cnnpar.LayerPlacement(2, microbatches=2) if alias == "layers" else alias for alias in IN_PROCESS]
 
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,7 @@ class AsyncPS(CheckpointedStrategy):
     batch_hooks = "once per epoch (its steps run on the workers, scheduled in groups)"
     min_devices = 2
     device_option = "workers"
+    needs_cluster = True
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
                  steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False, precise_bn=16):

@@ -146,11 +146,13 @@ class Strategy(metaclass=_Configuration):
 
     alias = "strategy"
     #: Registry facts (see keras_cnnpar.registry): a one-line description, the valid device counts, the
-    #: `cnnpar train` option that sets the count, and whether the strategy keeps checkpoints to resume.
+    #: `cnnpar train` option that sets the count, whether the strategy keeps checkpoints to resume, and
+    #: whether it trains on a cluster of TensorFlow servers (processes beyond the caller's).
     description = ""
     min_devices, max_devices, device_multiple = 1, None, 1
     device_option = "devices"
     keeps_checkpoints = False
+    needs_cluster = False
     #: A device count, or a list of device names.
     devices = 1
     num_replicas = 1

@@ -88,6 +88,7 @@ class MultiWorker(CheckpointedStrategy):
     description = "sync data parallel across processes, see --workers"
     min_devices = 2
     device_option = "workers"
+    needs_cluster = True
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
 
