@@ -21,8 +21,10 @@ Names are imported lazily, so ``import keras_cnnpar`` (and the ``cnnpar`` CLI's
 import importlib
 import os
 
-from keras_cnnpar import registry
+from keras_cnnpar import hardware, registry
 from keras_cnnpar.cluster import JOIN_AT_IMPORT
+
+hardware.onednn_at_import()  # before TensorFlow starts: oneDNN's kernels where TensorFlow would leave them off
 
 __version__ = "0.1.0"
 
@@ -33,8 +35,8 @@ _EXPORTS = {
     "Strategy": "keras_cnnpar.strategies",
     **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries()},
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "fused", "models", "runs", "serving", "sharded",
-               "strategies", "training")
+_SUBMODULES = ("callbacks", "cluster", "data", "devices", "fused", "hardware", "models", "runs", "serving",
+               "sharded", "strategies", "training")
 #: Old names of submodules, still importable with a deprecation warning.
 _DEPRECATED = ("layers",)
 

@@ -15,6 +15,8 @@ import os
 
 #: Keras mixed-precision policies a run can train under (``precision=``).
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+#: What ``precision=`` takes: a policy, or ``"auto"`` for the fastest one the hardware computes natively.
+PRECISION_CHOICES = (*PRECISIONS, "auto")
 #: ``scale_lr`` rules: the learning-rate factor for ``n`` replicas.
 SCALE_LR = {"linear": float, "sqrt": math.sqrt, None: lambda n: 1.0}
 
@@ -77,9 +79,9 @@ def scale_lr(value):
 
 
 def precision(value):
-    """A ``precision`` option: one of :data:`PRECISIONS`."""
-    if value not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}. Received: precision={value!r}")
+    """A ``precision`` option: one of :data:`PRECISION_CHOICES`."""
+    if value not in PRECISION_CHOICES:
+        raise ValueError(f"precision must be one of {list(PRECISION_CHOICES)}. Received: precision={value!r}")
     return value
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import keras
 
-from keras_cnnpar import runs
+from keras_cnnpar import hardware, runs
 from keras_cnnpar.runs import RunInfo
 
 __all__ = ["EpochLogger", "RunInfo", "RunRecorder", "run_callbacks"]
@@ -152,6 +152,7 @@ class RunRecorder(keras.callbacks.Callback):
         self._log(f"start model={info.model} strategy={info.strategy} devices={info.devices} "
                   f"global_batch={info.global_batch} epochs={info.epochs} initial_epoch={info.initial_epoch} "
                   f"precision={info.precision} csv={info.epoch_csv}")
+        self._log(f"machine {hardware.describe()}")
         for line in (self.report or "").splitlines():
             self._log(f"layout {line}")
 

@@ -18,9 +18,10 @@ MODELS = list(runs.MODEL_NAMES)
 SEED = click.IntRange(0, 2**32 - 1)
 FORCE = click.option("--force", is_flag=True, help="Replace files that exist already.")
 PRECISION = click.option(
-    "--precision", type=click.Choice(arguments.PRECISIONS), default="float32", show_default=True,
+    "--precision", type=click.Choice(arguments.PRECISION_CHOICES), default="float32", show_default=True,
     help="Keras mixed-precision policy of training: mixed_bfloat16 on CPUs with AMX/AVX512-BF16 or GPUs with "
-         "bfloat16, mixed_float16 on GPUs (with loss scaling); see docs/strategies.md.")
+         "bfloat16, mixed_float16 on GPUs (with loss scaling); auto: mixed_bfloat16 where the hardware has it, "
+         "else float32; see docs/strategies.md.")
 
 
 def _quiet_tensorflow():

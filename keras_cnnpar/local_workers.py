@@ -187,11 +187,13 @@ def _wait_all(processes, seconds):
 
 
 class _forward_signals:
-    """Pass SIGTERM and SIGINT on to ``processes`` as SIGTERM, until ``restore()``; a second SIGINT kills them."""
+    """Pass SIGTERM, SIGINT and SIGHUP (a closed terminal) on to ``processes`` as SIGTERM, so they save a
+    preemption checkpoint and stop, until ``restore()``; a second SIGINT kills them."""
 
     def __init__(self, processes):
         self.processes, self.interrupted = processes, False
-        self.previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._forward)
+                         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
 
     def _forward(self, signum, frame):
         escalate = signum == signal.SIGINT and self.interrupted

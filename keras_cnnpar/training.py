@@ -14,12 +14,13 @@ Example:
 import functools
 import hashlib
 import math
+import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, strategies
+from keras_cnnpar import arguments, hardware, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
 from keras_cnnpar.user_callbacks import UserModelCallbacks
@@ -46,11 +47,14 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         resume: continue an interrupted run from the strategy's checkpoint
             (strategies that keep one: ``MultiWorker``, ``AsyncPS``); the same as
             creating the strategy with ``resume=True``.
-        precision: ``"float32"`` (default), ``"mixed_bfloat16"`` or ``"mixed_float16"``: the Keras
+        precision: ``"float32"`` (default), ``"mixed_bfloat16"``, ``"mixed_float16"`` or ``"auto"``: the Keras
             mixed-precision policy the strategy's copy of the model trains under (variables and
             optimizer state stay float32, the output layer computes in float32, float16 gets loss
             scaling). The user's model stays float32, so its exports take and return float32.
-            It is an argument of ``fit``, not of a strategy: it means the same under every one.
+            It is an argument of ``fit``, not of a strategy: it means the same under every one. ``"auto"``
+            takes mixed_bfloat16 where the hardware computes bfloat16 natively (GPUs of compute capability 8.0
+            or later, CPUs with AVX512-BF16 or AMX), else float32; mixed_bfloat16 on a CPU that emulates it
+            warns (it ran at 0.19x float32's speed there).
         fused_optimizer: apply the optimizer's updates with TensorFlow's fused kernels (``ResourceApplyAdam``
             and kin; see ``cnnpar.fused``), with Keras's results; False keeps Keras's element-wise update,
             for comparison (the tensor-parallel mesh optimizer follows the same switch).
@@ -63,6 +67,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     """
     strategy = strategies.resolve(strategy)
     _check_model(model)
+    precision = _hardware_precision(precision)
     if resume and not strategy.keeps_checkpoints:
         raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
                          f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
@@ -75,7 +80,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     if not model.built:
         model.build(train.element_spec[0].shape)
     settings = strategies.RunSettings(
-        precision=arguments.precision(precision), fused_optimizer=bool(fused_optimizer),
+        precision=precision, fused_optimizer=bool(fused_optimizer),
         resume=bool(resume) or strategy.resume,
         record=_run_record(model, strategy, batch_size, precision, x if isinstance(x, tf.data.Dataset) else y)
         if strategy.keeps_checkpoints else {})
@@ -168,6 +173,18 @@ def _run_record(model, strategy, batch_size, precision, labels):
     return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
             "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
             "accumulate": strategy.accumulate, "precision": precision}
+
+
+def _hardware_precision(precision):
+    """``precision`` for this machine: ``"auto"`` resolved (see ``cnnpar.hardware``), and a one-line warning for
+    ``mixed_bfloat16`` on a CPU that only emulates bfloat16."""
+    precision = arguments.precision(precision)
+    if precision == "auto":
+        return hardware.auto_precision()
+    warning = hardware.bfloat16_warning() if precision == "mixed_bfloat16" else None
+    if warning and not tf.config.list_physical_devices("GPU"):
+        warnings.warn(warning, stacklevel=3)
+    return precision
 
 
 def _check_model(model):

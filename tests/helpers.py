@@ -15,15 +15,20 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, cluster, models, registry, training
+from keras_cnnpar import cli, cluster, hardware, models, registry, training
 
 #: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
 FLOORS = {"2+2": 0.93, "3+3": 0.92, "resnet": 0.92}  # resnet under Single: 0.939, 0.952, 0.956 (seeds 0-2)
 #: Set by the root conftest.py for the whole session: every process the suite starts inherits it, so the
 #: end-of-session check can find any left behind.
 SUITE_MARK = "CNNPAR_TEST_SUITE"
+#: Accuracy floors in bfloat16 run where the CPU computes it natively; elsewhere TensorFlow emulates bfloat16 at
+#: a fifth of float32's speed (docs/benchmarks.md). The bfloat16 parity tests run everywhere.
+NATIVE_BFLOAT16 = pytest.mark.skipif(not hardware.native_bfloat16(),
+                                     reason="this CPU emulates bfloat16 (no AVX512-BF16 or AMX-BF16)")
 #: The registered strategies that train in the test's own process; the others (registry fact ``needs_cluster``)
 #: are tested with processes of their own.
 IN_PROCESS = registry.names(needs_cluster=False)

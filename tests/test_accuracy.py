@@ -4,14 +4,15 @@ import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-from tests.helpers import FLOORS
+from tests.helpers import FLOORS, NATIVE_BFLOAT16
 
 
 @pytest.mark.parametrize("kind, strategy, precision", [
     ("2+2", "single", "float32"), ("3+3", "single", "float32"), ("2+2", "mirrored", "float32"),
     ("3+3", "mirrored", "float32"),
     ("2+2", "channels", "float32"),  # tensor parallel: each CNN under one mesh (3+3 under hybrid in bfloat16;
-    ("2+2", "single", "mixed_bfloat16"), ("3+3", "hybrid", "mixed_bfloat16"),  # its float32 step is Single's)
+    pytest.param("2+2", "single", "mixed_bfloat16", marks=NATIVE_BFLOAT16),  # its float32 step is Single's)
+    pytest.param("3+3", "hybrid", "mixed_bfloat16", marks=NATIVE_BFLOAT16),
 ])
 def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, precision, digits_split):
     train, val = digits_split
@@ -21,5 +22,6 @@ def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, precis
                         verbose=0, strategy=strategy, results_dir=None, precision=precision)
     assert history.history["val_accuracy"][-1] >= FLOORS[kind]
     _, accuracy = model.evaluate(val.x, val.y, verbose=0)  # the user's model holds the trained weights
-    assert accuracy == pytest.approx(history.history["val_accuracy"][-1], abs=1e-6)
+    # ... and computes in float32, where bfloat16 training validated in bfloat16: a few of 1,000 images may differ.
+    assert accuracy == pytest.approx(history.history["val_accuracy"][-1], abs=1e-6 if precision == "float32" else 3e-3)
 

@@ -74,9 +74,11 @@ def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, tmp_
 def test_results_log_has_timestamped_start_epoch_and_end_lines(small_cnn, tmp_path, train):
     train(small_cnn(), tmp_path)
     lines = (tmp_path / "results.log").read_text().splitlines()
-    assert [line.split()[1] for line in lines] == ["start", "epoch", "epoch", "end"]
+    assert [line.split()[1] for line in lines] == ["start", "machine", "epoch", "epoch", "end"]
     assert all(re.match(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d ", line) for line in lines)
-    assert "epoch 2/2 loss=" in lines[2]
+    assert re.fullmatch(r"\S+ machine CPU .+ \(AVX-512 (yes|no), AVX512-BF16 (yes|no), AMX (yes|no)\); oneDNN (on|off) "
+                        r"\(.+\); GPU .+", lines[1])
+    assert "epoch 2/2 loss=" in lines[3]
 
 
 def test_a_rerun_from_initial_epoch_keeps_earlier_rows_without_duplicates(small_cnn, tmp_path, train):

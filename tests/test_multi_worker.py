@@ -20,6 +20,7 @@ from keras_cnnpar import checkpoints, network
 from tests.helpers import (
     ENV,
     FLOORS,
+    NATIVE_BFLOAT16,
     alive,
     build_resnet_float64,
     build_small_cnn,
@@ -80,7 +81,8 @@ def test_each_worker_gets_a_different_slice_of_every_batch(tmp_path):
     assert seen[0][0] != seen[0][1]  # reshuffled every epoch, alike on both workers
 
 
-@pytest.mark.parametrize("kind, precision", [("2+2", "float32"), ("3+3", "mixed_bfloat16")])
+@pytest.mark.parametrize("kind, precision", [("2+2", "float32"),
+                                             pytest.param("3+3", "mixed_bfloat16", marks=NATIVE_BFLOAT16)])
 def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, kind, precision):
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -274,17 +276,28 @@ def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, messag
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda sig: sig.name)
-def test_no_worker_outlives_its_launcher(tmp_path, small_csv, sig):
+def test_no_worker_outlives_a_launcher_killed_outright(tmp_path, small_csv):
     command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
         workers = [worker_pid(launcher, index) for index in (0, 1)]
-        os.kill(launcher.pid, sig)  # a closed terminal, or the launcher killed outright
+        os.kill(launcher.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], f"workers {left} outlived their launcher"
+
+
+def test_a_closed_terminal_preempts_the_workers_as_sigterm_does(tmp_path, small_csv):
+    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
+    with processes([command], tmp_path, [ENV]) as (launcher,):
+        wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
+        workers = [worker_pid(launcher, index) for index in (0, 1)]
+        os.kill(launcher.pid, signal.SIGHUP)
+        output = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == PREEMPTED, output[-3000:]
+    assert [pid for pid in workers if alive(pid)] == []
+    assert (tmp_path / "results" / "checkpoints" / RUN / "preemption" / "checkpoint").exists()
 
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "launch_any_script.py"

@@ -72,5 +72,5 @@ def test_tensor_parallel_refuses_float16_saying_what_works(batch):
 def test_an_unknown_precision_lists_the_valid_ones(batch):
     with pytest.raises(ValueError) as raised:
         one_step("single", "bfloat16", batch)
-    assert str(raised.value) == ("precision must be one of ['float32', 'mixed_bfloat16', 'mixed_float16']. "
+    assert str(raised.value) == ("precision must be one of ['float32', 'mixed_bfloat16', 'mixed_float16', 'auto']. "
                                  "Received: precision='bfloat16'")
