@@ -14,3 +14,15 @@ os.environ["CNNPAR_TEST_SUITE"] = str(os.getpid())
 from keras_cnnpar import devices
 
 devices.configure(4, kind="CPU")
+
+#: Doctests that start processes of their own, left out of the quick tier (``pytest -m "not slow"``) as the
+#: slow tests are.
+SLOW_DOCTESTS = ("keras_cnnpar/serving.py",)
+
+
+def pytest_collection_modifyitems(items):
+    import pytest
+
+    for item in items:
+        if item.nodeid.startswith(SLOW_DOCTESTS):
+            item.add_marker(pytest.mark.slow)

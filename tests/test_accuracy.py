@@ -6,6 +6,8 @@ import pytest
 import keras_cnnpar as cnnpar
 from tests.helpers import FLOORS, NATIVE_BFLOAT16
 
+pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest -m "not slow"` leaves them out
+
 
 @pytest.mark.parametrize("kind, strategy, precision", [
     ("2+2", "single", "float32"), ("3+3", "single", "float32"), ("2+2", "mirrored", "float32"),

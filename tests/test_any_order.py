@@ -10,6 +10,8 @@ import pytest
 from keras_cnnpar import strategies
 from tests.helpers import ENV
 
+pytestmark = pytest.mark.slow  # a fresh process per strategy: `pytest -m "not slow"` leaves them out
+
 JOB = Path(__file__).with_name("any_order_job.py")
 
 

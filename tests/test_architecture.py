@@ -95,6 +95,7 @@ def test_no_test_module_imports_another_or_the_conftest():
         assert not offending, (path.name, offending)
 
 
+@pytest.mark.slow
 def test_exporting_a_zoo_model_loads_neither_training_nor_the_strategies(tmp_path):
     script = (
         "import sys\n"

@@ -34,6 +34,8 @@ from tests.helpers import (
 )
 from tests.helpers import read_rows as rows
 
+pytestmark = pytest.mark.slow  # parameter-server clusters of processes: `pytest -m "not slow"` leaves them out
+
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_async-ps_2dev"
 
 

@@ -133,6 +133,7 @@ def test_a_mesh_is_read_as_data_by_model():
     assert cli._mesh("3x1") == (3, 1) and cli._mesh("2X4") == (2, 4) and cli._mesh(None) is None
 
 
+@pytest.mark.slow
 def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_path):
     small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:161])
     env = {key: value for key, value in ENV.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
@@ -173,6 +174,7 @@ def test_out_of_range_options_are_usage_errors(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_into_one_folder_record_both_whole(kaggle_dir, tmp_path):
     small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:201])
     results = tmp_path / "results"

@@ -10,6 +10,8 @@ from keras_cnnpar import cli, experiments, registry, runs
 from tests.helpers import HEADER, suite_processes, write_lines
 from tests.helpers import read_rows as read
 
+pytestmark = pytest.mark.slow  # sweeps of training processes: `pytest -m "not slow"` leaves them out
+
 
 @pytest.fixture(scope="module")
 def small_csv(tmp_path_factory, digits):

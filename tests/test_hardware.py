@@ -25,6 +25,7 @@ def onednn_in_a_fresh_process(**env):
     return done.stdout.split()[-2:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hardware.cpu().x86, reason="oneDNN's kernels are TensorFlow's x86 CPU kernels")
 def test_importing_keras_cnnpar_leaves_onednn_on_unless_the_user_turned_it_off():
     variable, enabled = onednn_in_a_fresh_process()

@@ -21,7 +21,8 @@ from tests import hosts
 from tests.helpers import ENV, epoch_column, read_rows, wait_for_epoch_rows, wait_for_file
 
 UNAVAILABLE = hosts.unavailable()
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts as network namespaces: {UNAVAILABLE}")
+pytestmark = [pytest.mark.slow,  # processes in network namespaces
+              pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts as network namespaces: {UNAVAILABLE}")]
 
 MODEL = runs.MODEL_NAMES["3+3"]
 EXAMPLES = Path(__file__).parents[1] / "examples"

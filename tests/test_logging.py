@@ -135,6 +135,7 @@ def test_runs_csv_and_the_sweep_summary_agree_on_speedup(small_cnn, tmp_path, tr
     assert summary["mirrored"]["speedup"] != summary["mirrored"]["speedup"]  # ... in the summary either (NaN)
 
 
+@pytest.mark.slow
 def test_no_log_writes_no_file_at_all(tmp_path):
     result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--no-log", "--epochs", "1",
                              "--strategy", "async-ps", "--model", "3+3", "--verbose", "0"], cwd=tmp_path, env=ENV,

@@ -33,6 +33,8 @@ from tests.helpers import (
     worker_pid,
 )
 
+pytestmark = pytest.mark.slow  # worker processes: `pytest -m "not slow"` leaves them out
+
 JOB = Path(__file__).with_name("multi_worker_job.py")
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
 RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"}

@@ -121,6 +121,7 @@ def test_balanced_stages_minimises_the_largest_stage():
     assert placement.balanced_stages([3], 2) == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["2+2", "3+3", "resnet"])  # resnet: BatchNormalization per micro-batch
 def test_three_epochs_on_two_devices_reach_the_floor(kind, digits_split):
     train, val = digits_split

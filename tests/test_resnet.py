@@ -62,6 +62,7 @@ def test_per_replica_statistics_on_the_mesh_take_data_parallel_s_step(batch, sin
     assert shrink.min() >= 0 and shrink.max() > 1e-4
 
 
+@pytest.mark.slow
 def test_in_float32_a_split_batch_rounds_as_single_s_own_float32_step_does(batch, single):
     """The float32 story behind the float64 parity: a synchronized split batch lands about as far from Single's
     float32 step as that step is from the exact (float64) one (within twice that)."""
@@ -84,6 +85,7 @@ def test_channel_sharding_holds_half_the_parameter_bytes_per_device(few_digits, 
     assert abs(per_device - single_bytes / 2) <= 0.1 * single_bytes / 2
 
 
+@pytest.mark.slow
 def test_after_hybrid_training_the_export_and_the_sharded_model_predict_as_the_model(few_digits, tmp_path):
     model = cnnpar.models.cnn("resnet")
     untrained = model.get_weights()

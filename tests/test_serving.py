@@ -8,6 +8,8 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import serving
 from tests.helpers import run_cli as run
 
+pytestmark = pytest.mark.slow  # exports verified in fresh TensorFlow processes: `pytest -m "not slow"` leaves them out
+
 STRATEGIES = {"single": "single", "mirrored": "mirrored",
               "layers": cnnpar.LayerPlacement(2, microbatches=2)}
 
