@@ -78,6 +78,9 @@ def measure(reader, path, labeled):
 
 
 def main():
+    from keras_cnnpar import hardware
+
+    print(hardware.describe(), flush=True)  # the machine first: readers differ between CPU kinds
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     rounds = parser.parse_args().rounds

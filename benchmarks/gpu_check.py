@@ -18,6 +18,7 @@ import keras_cnnpar as cnnpar
 
 KIND = "GPU" if cnnpar.devices.accelerator_kind() == "GPU" else "CPU"
 NAMES = cnnpar.devices.configure(2, kind=KIND)
+print(cnnpar.hardware.describe(), flush=True)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -1,6 +1,8 @@
-"""What the benchmark scripts share: 4 logical devices (2 replicas, a 2 x 2 mesh), the training split, images/s.
+"""What the benchmark scripts share: the machine line, 4 logical devices (2 replicas, a 2 x 2 mesh), the training
+split, images/s.
 
-Import it first: it creates the logical devices before TensorFlow starts.
+Import it first: it creates the logical devices before TensorFlow starts, and prints the machine (CPU model and
+flags, oneDNN, GPUs) as the benchmark's first line.
 """
 
 import argparse
@@ -12,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras_cnnpar as cnnpar
 
 cnnpar.devices.configure(4)
+print(cnnpar.hardware.describe(), flush=True)
 
 from epoch_timer import EpochTimer  # noqa: E402, F401  (the scripts import it from here)
 
