@@ -24,6 +24,7 @@ from pathlib import Path
 import keras
 
 from keras_cnnpar import hardware, runs
+from keras_cnnpar.atomic import created_mode
 from keras_cnnpar.runs import RunInfo
 
 __all__ = ["EpochLogger", "RunInfo", "RunRecorder", "run_callbacks"]
@@ -72,6 +73,7 @@ class EpochLogger(keras.callbacks.Callback):
         header, kept = _kept_epochs(self.path, self.info.initial_epoch)
         descriptor, self._temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
                                                        dir=self.path.parent)
+        os.fchmod(descriptor, created_mode())
         self._file = os.fdopen(descriptor, "w", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, header) if header else None
         if self._writer is not None:

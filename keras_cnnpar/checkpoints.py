@@ -49,6 +49,8 @@ class RunCheckpoint:
             raise ValueError(f"{self.directory} holds the checkpoint of an interrupted run; pass resume=True "
                              f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
                              f"Received: resume=False")
+        if resume and not self.holds_checkpoint():
+            self._refuse_another_configuration()
         self._check_config()
         self.epochs = tf.Variable(0, dtype=tf.int64, trainable=False, name="completed_epochs")
         self.checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, completed_epochs=self.epochs)
@@ -81,14 +83,28 @@ class RunCheckpoint:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         return self.completed_epochs
 
+    def _differences(self, recorded):
+        return [f"{key} {recorded.get(key)!r} (checkpoint) vs {value!r} (this run)"
+                for key, value in self.config.items() if recorded.get(key, value) != value]
+
+    def _refuse_another_configuration(self):
+        """A resume whose configuration has no checkpoint, beside the checkpoint of another one (its folder's
+        name holds the model and the device count): refused, naming that checkpoint and the differences."""
+        others = sorted(self.directory.parent.glob(f"*/{self.CONFIG}")) if self.directory.parent.is_dir() else []
+        if not others:
+            return  # nothing to resume anywhere: the run starts at its first epoch
+        recorded = json.loads(others[0].read_text(encoding="utf-8"))
+        differences = self._differences(recorded) or ["its folder's name"]
+        raise ValueError(f"resume=True, but {self.directory} holds no checkpoint; {others[0].parent} holds one of "
+                         f"another configuration: {'; '.join(differences)}. Resume with that checkpoint's settings, "
+                         f"or run without resume to start over (that checkpoint is kept). Received: resume=True")
+
     def _check_config(self):
         """Refuse to resume a checkpoint recorded for another configuration, naming every difference."""
         path = self.directory / self.CONFIG
         if not self.config or not path.exists():
             return
-        recorded = json.loads(path.read_text(encoding="utf-8"))
-        differences = [f"{key} {recorded.get(key)!r} (checkpoint) vs {value!r} (this run)"
-                       for key, value in self.config.items() if recorded.get(key, value) != value]
+        differences = self._differences(json.loads(path.read_text(encoding="utf-8")))
         if differences:
             raise ValueError(f"{self.directory} holds the checkpoint of another configuration: "
                              f"{'; '.join(differences)}. Resume with the checkpoint's settings, or delete the folder "

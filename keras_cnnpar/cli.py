@@ -157,6 +157,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.ClickException(str(error)) from None
     if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
         strategy = strategy.replace(checkpoint_dir=None)  # --no-log writes nothing; --checkpoint-dir keeps them
+    _check_writable(None if no_log else results_dir, "--results")  # before training: no run lost at its end
+    _check_writable(export_dir, "--export")
     if export_dir is not None and export_version is not None \
             and os.path.exists(os.path.join(export_dir, str(export_version))):
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
@@ -183,6 +185,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise
     except (strategies.PeerLost, ShardCheckFailed) as error:
         raise click.ClickException(str(error)) from None
+    except ValueError as error:  # refused before training (a resume that does not match, a results file)
+        raise Refused(str(error)) from None
     if not strategy.is_chief:
         return
     if not no_log:
@@ -280,6 +284,26 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
             f"{os.path.join(results_dir, runs.RESULTS_LOG)}",
         ]
     return "\n".join(lines)
+
+
+class Refused(click.ClickException):
+    """A run refused before it trained, for its settings or files: one line, exit code 2 (a usage error)."""
+
+    exit_code = 2
+
+
+def _check_writable(folder, option):
+    """A usage error unless ``folder`` (or, where it does not exist yet, its nearest existing parent) is a
+    folder this process can create files in; None passes."""
+    if folder is None:
+        return
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not os.path.isdir(existing) else "is not writable"
+        raise click.BadParameter(f"cannot write into {folder}: {existing} {what}; nothing was trained. "
+                                 f"Received: {option} {folder}", param_hint=option)
 
 
 def _export(model, base_dir, version, force):

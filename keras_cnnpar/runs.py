@@ -23,6 +23,7 @@ same global batch, in ``runs.csv`` and in the sweep summary alike:
 import contextlib
 import csv
 import dataclasses
+import errno
 import fcntl
 import io
 import os
@@ -125,7 +126,7 @@ def locked(path):
     """
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     while True:
-        with open(path, "a+", newline="", encoding="utf-8") as file:
+        with _open_in_place(path) as file:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX)
             try:
                 if os.path.exists(path) and os.stat(path).st_ino != os.fstat(file.fileno()).st_ino:
@@ -137,6 +138,20 @@ def locked(path):
                 return
             finally:
                 fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
+def _open_in_place(path):
+    """``path`` opened for reading and appending, created under the umask if missing; a symbolic link is refused
+    with a ``ValueError`` (a results file is written in place, never through a link to elsewhere)."""
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); results files are written in place, "
+                         f"never through a link: remove the link or choose another results folder. "
+                         f"Received: {path}") from None
+    return os.fdopen(descriptor, "a+", newline="", encoding="utf-8")
 
 
 def append_line(path, line):
@@ -187,7 +202,8 @@ def prepare_runs_csv(results_dir):
     ``RUNS_COLUMNS``) is migrated in place, atomically: the current header,
     the old rows with the new columns empty; a ``UserWarning`` names the
     added columns. A file with columns this version does not know is
-    refused, with the file, the header expected and received, and what to do.
+    refused, with the file, the header expected and received, and what to do; so
+    is a ``runs.csv`` or ``results.log`` that is a symbolic link.
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
@@ -197,6 +213,9 @@ def prepare_runs_csv(results_dir):
     >>> [row["model"] for row in read_csv(folder / RUNS_CSV)], read_csv(folder / RUNS_CSV)[0]["strategy"]
     (['m'], '')
     """
+    for name in (RUNS_CSV, RESULTS_LOG):
+        if (Path(results_dir) / name).is_symlink():
+            _open_in_place(Path(results_dir) / name)  # refuses it, naming the link and its target
     path = Path(results_dir) / RUNS_CSV
     if not path.exists():
         return

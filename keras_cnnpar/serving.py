@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
 from keras_cnnpar import runs
-from keras_cnnpar.atomic import write_atomic
+from keras_cnnpar.atomic import created_mode, write_atomic
 from keras_cnnpar.subprocesses import python_command
 
 SIGNATURE = "serving_default"
@@ -79,6 +79,7 @@ def export(model, base_dir, version=None, *, force=False, verify=True):
                               f"version. Received: version={version}")
     base_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=base_dir))
+    os.chmod(staging, created_mode(directory=True))  # readable as any folder of the user's, by TF Serving too
     try:
         pixels = sample_pixels()
         _write(model, staging, pixels[:4])

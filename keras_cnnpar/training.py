@@ -11,6 +11,7 @@ Example:
 ['accuracy', 'loss']
 """
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -109,7 +110,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         if logging:
             epoch_logger, recorder = logging
             epoch_logger.close()
-            recorder.on_failure(error)
+            with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
+                recorder.on_failure(error)
         raise
     run.finalize(model)
     for user in users:  # on_train_end, with the trained state in the user's model

@@ -84,7 +84,8 @@ def create(alias, **options):
     for a one-device strategy.
     """
     entry = registry.entry(alias)
-    rejected = {k: v for k, v in options.items() if k not in entry.options and v not in (None, 1)}
+    rejected = {k: v for k, v in options.items() if k not in entry.options and v is not None
+                and not (k == "devices" and type(v) is int and v == 1)}
     if rejected:
         key, value = next(iter(rejected.items()))
         raise ValueError(f"strategy {alias!r} takes no {key}. Received: {key}={value!r}")

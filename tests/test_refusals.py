@@ -1,0 +1,87 @@
+"""Runs that would lose or corrupt results are refused before they train, in one line; files follow the umask."""
+
+import os
+import stat
+
+import pytest
+
+from keras_cnnpar import checkpoints, strategies
+from tests.helpers import build_small_cnn
+from tests.helpers import run_cli as run
+
+
+def one_line_refusal(result, exit_code=2):
+    """The error line of a CLI ``result`` that exited with ``exit_code``, without a traceback."""
+    assert result.exit_code == exit_code, result.output
+    assert "Traceback" not in result.output
+    return " ".join(result.output.split())
+
+
+def test_resume_on_a_strategy_that_keeps_no_checkpoint_is_refused_not_ignored(small_csv, tmp_path):
+    with pytest.raises(ValueError, match=r"^strategy 'single' takes no resume. Received: resume=True$"):
+        strategies.create("single", resume=True)
+    assert repr(strategies.create("single", devices=1)) == "<Single devices=1>"  # one device is every strategy's
+    result = run("train", "--strategy", "single", "--resume", "--data", small_csv, "--results", tmp_path / "r")
+    assert "strategy 'single' takes no resume. Received: resume=True" in one_line_refusal(result)
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_of_another_configuration_names_the_checkpoint_found_and_the_difference(tmp_path):
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    found = tmp_path / "small_cnn_keras_tensorflow_async-ps_2dev"
+    checkpoints.RunCheckpoint(model, found, resume=False, config={"model": "small_cnn", "devices": 2}).save(1)
+    with pytest.raises(ValueError) as raised:
+        checkpoints.RunCheckpoint(model, tmp_path / "small_cnn_keras_tensorflow_async-ps_3dev", resume=True,
+                                  config={"model": "small_cnn", "devices": 3})
+    assert str(raised.value) == (
+        f"resume=True, but {tmp_path / 'small_cnn_keras_tensorflow_async-ps_3dev'} holds no checkpoint; {found} "
+        f"holds one of another configuration: devices 2 (checkpoint) vs 3 (this run). Resume with that "
+        f"checkpoint's settings, or run without resume to start over (that checkpoint is kept). Received: resume=True")
+    assert (found / "run.json").exists()  # kept
+    fresh = checkpoints.RunCheckpoint(model, tmp_path / "elsewhere" / "run", resume=True)  # nothing anywhere
+    assert fresh.restore() == 0
+
+
+@pytest.mark.parametrize("option", ["--results", "--export"])
+def test_a_folder_that_cannot_be_written_is_refused_before_training(small_csv, tmp_path, option):
+    (tmp_path / "a-file").write_text("not a folder\n")
+    target = tmp_path / "a-file" / "inside"
+    results = target if option == "--results" else tmp_path / "results"
+    result = run("train", "--data", small_csv, "--epochs", 1, "--results", results,
+                 *(["--export", target] if option == "--export" else []))
+    assert f"cannot write into {target}: {tmp_path / 'a-file'} is not a folder; nothing was trained. Received: " \
+           f"{option} {target}" in one_line_refusal(result)
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_results_log_that_is_a_symbolic_link_is_refused_and_its_target_untouched(small_csv, tmp_path):
+    target, results = tmp_path / "elsewhere.txt", tmp_path / "results"
+    target.write_text("someone else's file\n")
+    results.mkdir()
+    (results / "results.log").symlink_to(target)
+    result = run("train", "--data", small_csv, "--epochs", 1, "--results", results)
+    assert (f"{results / 'results.log'} is a symbolic link (to {target}); results files are written in place, never "
+            f"through a link") in one_line_refusal(result)
+    assert target.read_text() == "someone else's file\n"
+    assert sorted(p.name for p in results.iterdir()) == ["results.log"]
+
+
+def test_results_weights_and_exports_are_created_as_the_umask_says(small_csv, tmp_path):
+    previous = os.umask(0o027)
+    try:
+        result = run("train", "--data", small_csv, "--epochs", 1, "--results", tmp_path / "results",
+                     "--export", tmp_path / "models" / "digits")
+    finally:
+        os.umask(previous)
+    assert result.exit_code == 0, result.output
+    modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+             for path in tmp_path.rglob("*") if path.parent != tmp_path}
+    assert {name: mode for name, mode in modes.items() if name.startswith("results/")} == {
+        f"results/{name}": 0o640 for name in ("runs.csv", "results.log", *(
+            f"cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev{suffix}" for suffix in (".csv",
+                                                                                                     ".weights.h5")))}
+    exported = {name: mode for name, mode in modes.items() if name.startswith("models/digits/1")}
+    assert exported["models/digits/1"] == 0o750 and exported["models/digits/1/saved_model.pb"] == 0o640
+    assert set(exported.values()) <= {0o750, 0o640}
+
