@@ -78,11 +78,29 @@ class Task:
 
 
 def _json_file(path):
+    return read_json_file(path, "cluster")
+
+
+def read_json_file(path, option):
+    """The JSON value in the file ``path`` (given as ``option``); a ``ValueError`` naming the file otherwise.
+
+    >>> import tempfile
+    >>> spec = Path(tempfile.mkdtemp()) / "spec.json"
+    >>> _ = spec.write_bytes(b'{"worker": ["h\\xff:1"]}')
+    >>> read_json_file(spec, "spec")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: .../spec.json: expected UTF-8 JSON; byte 0xff at offset 14 is not UTF-8. Received: spec='...'
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as error:
-        raise ValueError(f"cannot read cluster file {path}: {error.strerror}. "
-                         f"Received: cluster={str(path)!r}") from None
+        raise ValueError(f"cannot read {option} file {path}: {error.strerror}. "
+                         f"Received: {option}={str(path)!r}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: expected UTF-8 JSON; byte {raw[error.start]:#04x} at offset {error.start} is not "
+                         f"UTF-8. Received: {option}={str(path)!r}") from None
     return parse_json(text, str(path))
 
 

@@ -23,7 +23,7 @@ import click
 
 from keras_cnnpar import network, startup
 from keras_cnnpar.atomic import write_atomic
-from keras_cnnpar.cluster import local_spec, parse_json, parse_spec
+from keras_cnnpar.cluster import local_spec, parse_json, parse_spec, read_json_file
 from keras_cnnpar.subprocesses import python_command
 
 
@@ -134,12 +134,16 @@ def stop_servers(spec_path, *, grace_seconds=5):
     spec_path = Path(spec_path)
     if not spec_path.exists():
         raise FileNotFoundError(f"{spec_path} does not exist. Received: spec={str(spec_path)!r}")
-    config = parse_json(spec_path.read_text(encoding="utf-8"), str(spec_path))
+    config = read_json_file(spec_path, "spec")
     if not isinstance(config, dict) or not isinstance(config.get("token"), str) or not isinstance(
             config.get("pids"), dict) or not isinstance(config.get("started"), dict):
         raise ValueError(f"{spec_path}: expected a spec written by `cnnpar cluster start` (cluster, pids, token, "
                          f"started); refusing to signal anything. Received: keys "
                          f"{sorted(config) if isinstance(config, dict) else type(config).__name__}")
+    for job, pids in config["pids"].items():
+        if not isinstance(pids, list) or not all(type(pid) is int and pid > 0 for pid in pids):
+            raise ValueError(f"{spec_path}: field pids.{job}: expected a list of process ids; refusing to signal "
+                             f"anything. Received: pids.{job}={pids!r}")
     pids = [pid for job in config["pids"].values() for pid in job]
     foreign = [pid for pid in pids if _running(pid) and not _is_server(pid, config)]
     if foreign:

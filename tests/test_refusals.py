@@ -85,3 +85,26 @@ def test_results_weights_and_exports_are_created_as_the_umask_says(small_csv, tm
     assert exported["models/digits/1"] == 0o750 and exported["models/digits/1/saved_model.pb"] == 0o640
     assert set(exported.values()) <= {0o750, 0o640}
 
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"cluster": {"worker": ["localhost:1\xff"]}}',
+     "{spec}: expected UTF-8 JSON; byte 0xff at offset 36 is not UTF-8. Received: spec='{spec}'"),
+    (b'{"cluster": {}, "pids": {"worker": 5}, "token": "t", "started": {}}',
+     "{spec}: field pids.worker: expected a list of process ids; refusing to signal anything. Received: "
+     "pids.worker=5"),
+], ids=["not utf-8", "pids not a list"])
+def test_cluster_stop_refuses_a_bad_spec_naming_the_file_and_the_field(tmp_path, content, message):
+    spec = tmp_path / "cluster.json"
+    spec.write_bytes(content)
+    assert message.format(spec=spec) in one_line_refusal(run("cluster", "stop", "--spec", spec))
+    assert spec.read_bytes() == content
+
+
+def test_train_refuses_a_cluster_spec_that_is_not_utf8(small_csv, tmp_path):
+    spec = tmp_path / "cluster.json"
+    spec.write_bytes(b'{"worker": ["localhost:1"], "ps": ["localhost:2\xff"]}')
+    result = run("train", "--strategy", "async-ps", "--cluster", spec, "--data", small_csv, "--results",
+                 tmp_path / "results")
+    assert f"{spec}: expected UTF-8 JSON; byte 0xff at offset 47 is not UTF-8. Received: cluster='{spec}'" in \
+        one_line_refusal(result)
