@@ -27,7 +27,7 @@ from pathlib import Path
 
 from keras_cnnpar import registry, runs
 from keras_cnnpar.atomic import write_atomic
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar.subprocesses import dying_with_parent, python_command
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
@@ -84,20 +84,26 @@ def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800,
     """Train ``config`` in a fresh process with the checks on; return ``(returncode, last output lines)``.
 
     Past ``timeout`` seconds the configuration's whole process group is killed
-    (local workers die with their launcher), and the return code is -1.
+    (local workers die with their launcher), and the return code is -1. So it
+    is when the sweep is interrupted (Ctrl-C, SIGTERM) or killed: no
+    configuration trains on after its sweep.
     """
     command = python_command("-m", "keras_cnnpar.cli", "train", "--model", config.model, "--strategy",
                              config.strategy, *config.train_args(), "--epochs", str(epochs), "--batch-size",
                              str(batch_size), "--data", source, "--results", str(results_dir), "--checks",
                              "--precision", precision, "--verbose", "0")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(dying_with_parent(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         return -1, f"timed out after {timeout} s"
+    except BaseException:  # interrupted: the configuration goes with the sweep
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
     return process.returncode, "\n".join(output.strip().splitlines()[-5:])
 
 

@@ -7,7 +7,6 @@ worker fails. Inside the namespace the workers are started by this module's
 entry point, ``python -m keras_cnnpar.local_workers --workers N -- COMMAND``.
 """
 
-import ctypes
 import json
 import os
 import signal
@@ -21,13 +20,12 @@ import click
 
 from keras_cnnpar import network
 from keras_cnnpar.cluster import Task, local_spec
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar.subprocesses import dying_with_parent, python_command
 
 #: Exit code of a worker that saved a preemption checkpoint and stopped (TensorFlow's default).
 PREEMPTED_EXIT_CODE = 42
 
 
-_PR_SET_PDEATHSIG = 1
 
 
 class WorkerFailed(RuntimeError):
@@ -123,29 +121,11 @@ def _start_worker(command, task, logs, extra_env=None):
            "TF_CONFIG": json.dumps(task.tf_config())}
     output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
     try:
-        return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                start_new_session=True, preexec_fn=die_with(os.getpid()))
+        return subprocess.Popen(dying_with_parent(command), env=env, stdout=output,
+                                stderr=subprocess.STDOUT if output else None, start_new_session=True)
     finally:
         if output:
             output.close()
-
-
-def die_with(parent):
-    """A ``preexec_fn`` that makes the child die with ``parent`` (Linux ``PR_SET_PDEATHSIG``), or None elsewhere.
-
-    A launcher that is SIGKILLed, or whose terminal closes, then leaves no
-    worker behind, although the workers have sessions of their own (so that
-    a Ctrl-C reaches them only through the launcher, as SIGTERM).
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def die_with_parent():
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the call
-            os._exit(1)
-
-    return die_with_parent
 
 
 def _thread_share(workers):

@@ -1,5 +1,7 @@
 """cnnpar sweep and cnnpar report on a small subset: the files, their columns, resuming, and a recorded failure."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -7,7 +9,17 @@ import pytest
 from click.testing import CliRunner
 
 from keras_cnnpar import cli, experiments, registry, runs
-from tests.helpers import HEADER, suite_processes, write_lines
+from tests.helpers import (
+    ENV,
+    HEADER,
+    alive,
+    cnnpar_command,
+    descendants,
+    processes,
+    suite_processes,
+    wait_for_epoch_rows,
+    write_lines,
+)
 from tests.helpers import read_rows as read
 
 pytestmark = pytest.mark.slow  # sweeps of training processes: `pytest -m "not slow"` leaves them out
@@ -107,3 +119,19 @@ def test_report_flags_a_failed_parity_check(tmp_path):
     write_lines(tmp_path / "runs.csv", [columns, f"t,m,mirrored,2,64,1,,,,0.9,1,200,1.9,0.95,{epoch_csv}"])
     rows, _ = experiments.write_report(tmp_path)
     assert [(r["parity"], r["flag"]) for r in rows] == [("FAIL", "gradient parity FAILED: a bug, not noise")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, small_csv, sig):
+    command = cnnpar_command("sweep", "--models", "2+2", "--strategies", "single", "--devices", "1", "--epochs",
+                             "100", "--data", str(small_csv), "--results", str(tmp_path / "results"))
+    with processes([command], tmp_path, [ENV]) as (sweep,):
+        epoch_csv = tmp_path / "results" / "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv"
+        wait_for_epoch_rows(epoch_csv, 1, sweep)  # the configuration trains
+        training = descendants(sweep.pid)
+        os.kill(sweep.pid, sig)
+        sweep.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while (left := [pid for pid in training if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert training and left == [], f"{left} outlived the sweep"

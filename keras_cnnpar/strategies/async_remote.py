@@ -20,7 +20,6 @@ have read; the folder holds ``epochs`` passes of the data until the run ends.
 """
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -29,10 +28,10 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import local_workers, rebuild
+from keras_cnnpar import rebuild
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import RunSettings, create
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar.subprocesses import dying_with_parent, python_command
 
 #: The prefix of the child's protocol lines on its standard output.
 EPOCH, DONE = "CNNPAR-EPOCH ", "CNNPAR-DONE"
@@ -54,9 +53,9 @@ def fit(run, train, *, epochs, steps, validation_data, validation_steps, callbac
                          "record": dict(settings.record)},
             "fit": {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
                     "validation_steps": validation_steps if validation_data is not None else None}}))
-        child = subprocess.Popen(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder)),
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 preexec_fn=local_workers.die_with(os.getpid()))  # the user's process leaves none
+        child = subprocess.Popen(  # dying with the user's process, it leaves none behind
+            dying_with_parent(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder))),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             history = loop.run_epochs(
                 prepared, lambda epoch, _: _next_epoch(child, folder, prepared), epochs=epochs, steps=steps,
