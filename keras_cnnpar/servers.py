@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -36,9 +37,13 @@ def start_servers(workers, ps, spec_path, *, timeout=60, tries=3):
     its port (another process may take a free port before the server binds it:
     then the servers start again on fresh ports, ``tries`` times in all). The
     spec, ``{"cluster", "pids", "token", "started"}``, replaces the
-    reservation once all is well; :func:`stop_servers` signals only processes
-    whose command line carries its token and whose start time it recorded.
-    A server that fails to start is reported with its own error output.
+    reservation as soon as the servers are started, before they are waited
+    for, so ``cnnpar cluster stop`` finds them after any failure;
+    :func:`stop_servers` signals only processes whose command line carries
+    its token and whose start time it recorded. Until all are ready, every
+    server dies with this process (killed, or its terminal closed); once
+    they are, they are told to run on their own. A server that fails to
+    start is reported with its own error output.
     """
     spec_path = Path(spec_path)
     try:
@@ -50,12 +55,13 @@ def start_servers(workers, ps, spec_path, *, timeout=60, tries=3):
     try:
         for attempt in range(1, tries + 1):
             try:
-                config = _start_checked_servers(workers, ps, timeout)
+                config = _start_checked_servers(workers, ps, timeout, spec_path)
                 break
             except _PortTaken as taken:
                 if attempt == tries:
                     raise ConnectionError(f"{taken}; {tries} tries on fresh ports all failed") from None
-        write_atomic(spec_path, json.dumps(config, indent=2) + "\n")
+        for pid in (pid for pids in config["pids"].values() for pid in pids):
+            os.kill(pid, DETACH)  # ready: the servers outlive this process from now on
         return config
     except BaseException:
         spec_path.unlink(missing_ok=True)
@@ -66,7 +72,12 @@ class _PortTaken(RuntimeError):
     """A server could not bind its port: another process took it after it was chosen."""
 
 
-def _start_checked_servers(workers, ps, timeout):
+#: The signal with which ``start_servers`` tells its servers that they are ready and run on their own.
+DETACH = signal.SIGUSR1
+
+
+def _start_checked_servers(workers, ps, timeout, spec_path):
+    """Start the servers, record them in ``spec_path`` at once, then wait for them; return the spec."""
     spec, token = local_spec(workers, ps), uuid.uuid4().hex
     processes, outputs = {job: [] for job in spec}, {}
     with contextlib.ExitStack() as files:
@@ -77,17 +88,20 @@ def _start_checked_servers(workers, ps, timeout):
                     outputs[job, index] = output
                     processes[job].append(subprocess.Popen(
                         python_command("-m", "keras_cnnpar.servers", "--cluster-json", json.dumps(spec),
-                                       "--job", job, "--index", str(index), "--token", token),
+                                       "--job", job, "--index", str(index), "--token", token,
+                                       "--starter", str(os.getpid())),
                         stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
+            pids = {job: [p.pid for p in started] for job, started in processes.items()}
+            config = {"cluster": spec, "pids": pids, "token": token,
+                      "started": {str(pid): _start_time(pid) for started in pids.values() for pid in started}}
+            write_atomic(spec_path, json.dumps(config, indent=2) + "\n")  # recorded before they are waited for
             _wait_for_servers(spec, processes, outputs, timeout)
         except BaseException:
             for process in (p for started in processes.values() for p in started):
                 process.kill()
                 process.wait()
             raise
-    pids = {job: [p.pid for p in started] for job, started in processes.items()}
-    return {"cluster": spec, "pids": pids, "token": token,
-            "started": {str(pid): _start_time(pid) for started in pids.values() for pid in started}}
+    return config
 
 
 def _wait_for_servers(spec, processes, outputs, timeout):
@@ -134,6 +148,9 @@ def stop_servers(spec_path, *, grace_seconds=5):
     spec_path = Path(spec_path)
     if not spec_path.exists():
         raise FileNotFoundError(f"{spec_path} does not exist. Received: spec={str(spec_path)!r}")
+    if spec_path.stat().st_size == 0:  # a start that died before it started any server: only its reservation
+        spec_path.unlink()
+        return 0
     config = read_json_file(spec_path, "spec")
     if not isinstance(config, dict) or not isinstance(config.get("token"), str) or not isinstance(
             config.get("pids"), dict) or not isinstance(config.get("started"), dict):
@@ -180,7 +197,7 @@ def _is_server(pid, config):
             and _start_time(pid) == config["started"].get(str(pid)))
 
 
-def serve(cluster, job, index, announce=False):
+def serve(cluster, job, index, announce=False, starter=None):
     """Run the TensorFlow gRPC server of task ``job:index`` of ``cluster`` until SIGTERM or SIGINT (exit 0).
 
     The task's host must be an address of this machine (or a name that
@@ -189,7 +206,9 @@ def serve(cluster, job, index, announce=False):
     sent to it, unauthenticated (docs/strategies.md, Security). A worker's
     server gets ``inter_op_parallelism_threads >= workers + 1``: with fewer, a
     parameter-server cluster hangs. ``announce`` prints one line once the
-    server is up (``cnnpar cluster serve``).
+    server is up (``cnnpar cluster serve``). With ``starter`` (a process id),
+    the server exits as soon as that process is no longer its parent, until
+    the starter sends it ``DETACH``.
     """
     if job not in cluster or not 0 <= index < len(cluster[job]):
         raise ValueError(f"the cluster has no task {job}:{index}. Received: jobs "
@@ -197,7 +216,11 @@ def serve(cluster, job, index, announce=False):
     address = cluster[job][index]
     _check_own_address(address, f"{job}:{index}")
     stop = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # TensorFlow's threads inherit the mask: the signal waits here
+    awaited = stop | ({DETACH} if starter else set())
+    signal.pthread_sigmask(signal.SIG_BLOCK, awaited)  # TensorFlow's threads inherit the mask: signals wait here
+    detached = threading.Event()
+    if starter:
+        threading.Thread(target=_exit_when_orphaned, args=(starter, detached), daemon=True).start()
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
@@ -207,11 +230,19 @@ def serve(cluster, job, index, announce=False):
     if announce:
         print(f"cnnpar cluster serve: task {job}:{index} ready at {address}; TensorFlow listens on every interface "
               f"of this host at port {address.rpartition(':')[2]}, unauthenticated: trusted networks only", flush=True)
-    received = signal.sigwait(stop)
+    while (received := signal.sigwait(awaited)) == DETACH:
+        detached.set()
     if announce:
         print(f"cnnpar cluster serve: task {job}:{index} stopped ({signal.Signals(received).name})", flush=True)
     sys.stdout.flush()
     os._exit(0)  # TensorFlow's server threads never end on their own; nothing of ours is left to clean up
+
+
+def _exit_when_orphaned(starter, detached):
+    """Until ``detached`` is set, end this process as soon as ``starter`` is no longer its parent."""
+    while not detached.wait(0.2):
+        if os.getppid() != starter:
+            os._exit(1)
 
 
 def _check_own_address(address, task):
@@ -231,10 +262,11 @@ def _check_own_address(address, task):
 @click.option("--job", required=True)
 @click.option("--index", type=int, required=True)
 @click.option("--token", default="", help="The spec's token, so `cnnpar cluster stop` can tell its servers.")
-def main(cluster_json, job, index, token):  # the token only marks the command line
+@click.option("--starter", type=int, default=None, help="Die with this process until it sends SIGUSR1.")
+def main(cluster_json, job, index, token, starter):  # the token only marks the command line
     """Run the TensorFlow server of task JOB:INDEX until SIGTERM or SIGINT (a server process of start_servers)."""
     startup.quiet_start()
-    serve(parse_spec(parse_json(cluster_json, "--cluster-json")), job, index)
+    serve(parse_spec(parse_json(cluster_json, "--cluster-json")), job, index, starter=starter)
 
 
 if __name__ == "__main__":

@@ -281,3 +281,22 @@ def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in children)  # the coordinator died with the process that started it
+
+
+def test_cluster_start_killed_while_starting_leaves_no_server_and_stop_cleans_up(tmp_path):
+    spec = tmp_path / "cluster.json"
+    with processes([cnnpar_command("cluster", "start", "--workers", "1", "--ps", "1", "--spec", str(spec))],
+                   tmp_path, [ENV]) as (starter,):
+        deadline = time.monotonic() + 60
+        while not (spec.exists() and spec.stat().st_size) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        config = json.loads(spec.read_text())  # the servers are recorded before they are waited for
+        pids = [pid for job in config["pids"].values() for pid in job]
+        os.kill(starter.pid, signal.SIGKILL)  # before the servers are ready (TensorFlow takes seconds to start)
+        deadline = time.monotonic() + 30
+        while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert left == [], f"servers {left} outlived the start that was killed"
+    result = CliRunner().invoke(cli.main, ["cluster", "stop", "--spec", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert "stopped 0 server processes" in result.output and not spec.exists()
