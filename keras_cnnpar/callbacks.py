@@ -177,7 +177,8 @@ class RunRecorder(keras.callbacks.Callback):
         self._log(f"failed model={self.info.model} strategy={self.info.strategy}: {type(error).__name__}: {error}")
 
     def _log(self, message):
-        runs.append_line(self.results_dir / runs.RESULTS_LOG, f"{runs.now()} {message}")
+        run = f" [run {self.info.run_id}]" if self.info.run_id else ""
+        runs.append_line(self.results_dir / runs.RESULTS_LOG, f"{runs.now()} {message}{run}")
 
 
 def run_callbacks(info, results_dir, report=None):

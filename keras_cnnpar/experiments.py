@@ -124,7 +124,7 @@ def summarize(results_dir):
     """One summary row per configuration (its latest run) from ``runs.csv`` and the epoch CSVs.
 
     Speedup follows ``runs.csv``'s rule (:func:`keras_cnnpar.runs.single_throughput`):
-    against the latest Single run of the same model at the same global batch.
+    against the latest Single run of the same model, global batch, precision, data and machine.
     """
     results_dir = Path(results_dir)
     recorded = runs.read_csv(results_dir / runs.RUNS_CSV)
@@ -135,7 +135,7 @@ def summarize(results_dir):
         last = epochs[-1] if epochs else {}
         throughput = float(run["images_per_second"]) if run["images_per_second"] else ""
         speedup, efficiency = runs.speedup_and_efficiency(
-            strategy, devices, throughput, runs.single_throughput(recorded, model, run["global_batch"]))
+            strategy, devices, throughput, runs.single_throughput(recorded, run))
         row = {"model": model, "strategy": strategy, "devices": int(devices), "images_per_second": _number(throughput),
                "speedup": _number(speedup), "efficiency": _number(efficiency),
                "val_accuracy": _number(run["val_accuracy"]),
@@ -174,10 +174,28 @@ def write_report(results_dir):
                          f"Received: --results {results_dir}")
     write_atomic(results_dir / "summary.csv", runs.csv_text(SUMMARY_COLUMNS, [
         {k: _cell(v) for k, v in row.items()} for row in rows]))
-    markdown = markdown_table(rows)
+    markdown = markdown_table(rows) + "\n\n" + provenance_text(runs.read_csv(results_dir / runs.RUNS_CSV))
     write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
     plot(results_dir, rows)
     return rows, markdown
+
+
+def provenance_text(recorded):
+    """What produced the latest run of each configuration: each package version, TensorFlow version and
+    machine with its number of runs; a warning first when they differ (the figures then do not compare).
+
+    >>> print(provenance_text([{"model": "m", "strategy": "single", "devices": "1", "version": "0.1.0",
+    ...                         "tensorflow": "2.21.0", "machine": "AMD EPYC"}]))
+    Produced by: version 0.1.0, TensorFlow 2.21.0, machine AMD EPYC (1 runs)
+    """
+    latest = {(r["model"], r["strategy"], r["devices"]): r for r in recorded}.values()
+    keys = [(r.get("version") or "unknown", r.get("tensorflow") or "unknown", r.get("machine") or "unknown")
+            for r in latest]
+    lines = [f"Produced by: version {v}, TensorFlow {t}, machine {m} ({keys.count((v, t, m))} runs)"
+             for v, t, m in sorted(set(keys))]
+    if len(set(keys)) > 1:
+        lines.insert(0, "Warning: this table mixes machines or versions; compare only rows produced alike.")
+    return "\n".join(lines)
 
 
 def markdown_table(rows):

@@ -11,12 +11,14 @@ in the original project:
 >>> kind_of("cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5")
 '3+3'
 
-Speedup is measured against the latest ``single`` run of the same model at the
-same global batch, in ``runs.csv`` and in the sweep summary alike:
+Speedup is measured against the latest ``single`` run of the same model, global
+batch, precision, data and machine, in ``runs.csv`` and in the sweep summary alike:
 
->>> rows = [{"model": "m", "strategy": "single", "global_batch": "64", "images_per_second": "100"},
-...         {"model": "m", "strategy": "single", "global_batch": "128", "images_per_second": "150"}]
->>> single_throughput(rows, "m", 64)
+>>> like = {"model": "m", "global_batch": "64", "precision": "float32", "data": "d", "machine": "cpu"}
+>>> rows = [{**like, "strategy": "single", "images_per_second": "100"},
+...         {**like, "strategy": "single", "global_batch": "128", "images_per_second": "150"},
+...         {**like, "strategy": "single", "data": "2 examples", "images_per_second": "2"}]
+>>> single_throughput(rows, like)
 100.0
 """
 
@@ -27,6 +29,7 @@ import errno
 import fcntl
 import io
 import os
+import secrets
 import statistics
 import warnings
 from datetime import datetime
@@ -52,8 +55,11 @@ RUNS_COLUMNS = [
     "timestamp", "model", "strategy", "devices", "global_batch", "epochs",
     "loss", "accuracy", "val_loss", "val_accuracy",
     "train_seconds", "images_per_second", "speedup", "efficiency", "epoch_csv",
+    "precision", "data", "run_id", "version", "tensorflow", "machine",
 ]
 BASELINE = "single"
+#: What a run and its Single baseline must share for a speedup to mean anything.
+BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,14 @@ class RunInfo:
     epochs: int
     initial_epoch: int = 0
     precision: str = "float32"
+    #: What identifies the training data (size and a digest of the labels), for the baseline match.
+    data: str = ""
+    #: The run's own id, in its ``runs.csv`` row and every ``results.log`` line.
+    run_id: str = ""
+    #: Provenance (``keras_cnnpar.provenance``): package version, TensorFlow's, the machine.
+    version: str = ""
+    tensorflow: str = ""
+    machine: str = ""
 
     @property
     def epoch_csv(self):
@@ -91,6 +105,15 @@ def model_label(model_name):
     ('2+2', 'my_cnn')
     """
     return kind_of(model_name + "_") or model_name
+
+
+def new_run_id():
+    """A run's id: when it started, its process and a random part, so two runs never share one.
+
+    >>> len(new_run_id().split("-"))
+    3
+    """
+    return f"{datetime.now():%Y%m%dT%H%M%S}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 def now():
@@ -167,10 +190,13 @@ def run_throughput(epochs):
     return round(statistics.median(measured), 2) if measured else ""
 
 
-def single_throughput(rows, model, global_batch):
-    """Images/s of the latest Single run of ``model`` at ``global_batch`` among ``runs.csv`` rows, or None."""
-    matching = [r for r in rows if r.get("model") == model and r.get("strategy") == BASELINE
-                and str(r.get("global_batch")) == str(global_batch) and _number(r.get("images_per_second"))]
+def single_throughput(rows, run):
+    """Images/s of the latest Single run among ``runs.csv`` ``rows`` that shares ``run``'s model, global batch,
+    precision, data and machine (:data:`BASELINE_KEYS`), or None; a key that either leaves empty never matches."""
+    def same(row):
+        return all(str(row.get(key) or "") == str(run.get(key) or "") != "" for key in BASELINE_KEYS)
+
+    matching = [r for r in rows if r.get("strategy") == BASELINE and same(r) and _number(r.get("images_per_second"))]
     return _number(matching[-1]["images_per_second"]) if matching else None
 
 
@@ -269,18 +295,17 @@ def append_run(results_dir, info, epochs):
             warnings.warn(f"{error}; this run's row was not recorded there", stacklevel=3)
             return None
         throughput = run_throughput(epochs)
-        speedup, efficiency = speedup_and_efficiency(
-            info.strategy, info.devices, throughput,
-            single_throughput(_recorded_rows(path, migrated), info.model, info.global_batch))
         last = epochs[-1]
         row = {
             "timestamp": now(), "model": info.model, "strategy": info.strategy, "devices": info.devices,
             "global_batch": info.global_batch, "epochs": last["epoch"],
             **{key: last.get(key, "") for key in ("loss", "accuracy", "val_loss", "val_accuracy")},
             "train_seconds": round(sum(float(e["train_seconds"]) for e in epochs), 4),
-            "images_per_second": throughput, "speedup": speedup, "efficiency": efficiency,
-            "epoch_csv": info.epoch_csv,
+            "images_per_second": throughput, "epoch_csv": info.epoch_csv,
+            **{key: getattr(info, key) for key in ("precision", "data", "run_id", "version", "tensorflow", "machine")},
         }
+        row["speedup"], row["efficiency"] = speedup_and_efficiency(
+            info.strategy, info.devices, throughput, single_throughput(_recorded_rows(path, migrated), row))
         if migrated != text:  # the migrated file and the row replace the old file at once
             write_atomic(path, migrated + csv_text(RUNS_COLUMNS, [row]).split("\n", 1)[1])
             return row

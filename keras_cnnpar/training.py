@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, hardware, strategies
+from keras_cnnpar import arguments, hardware, provenance, runs, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
 from keras_cnnpar.user_callbacks import UserModelCallbacks
@@ -80,11 +80,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     fit_kwargs = {**steps, **fit_kwargs}
     if not model.built:
         model.build(train.element_spec[0].shape)
+    data = _data_identity(x if isinstance(x, tf.data.Dataset) else y)
     settings = strategies.RunSettings(
-        precision=precision, fused_optimizer=bool(fused_optimizer),
-        resume=bool(resume) or strategy.resume,
-        record=_run_record(model, strategy, batch_size, precision, x if isinstance(x, tf.data.Dataset) else y)
-        if strategy.keeps_checkpoints else {})
+        precision=precision, fused_optimizer=bool(fused_optimizer), resume=bool(resume) or strategy.resume,
+        record=_run_record(model, strategy, batch_size, precision, data) if strategy.keeps_checkpoints else {})
     run = strategy.prepare(model, settings)
     _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
     initial_epoch = run.resume_epoch(initial_epoch)
@@ -100,7 +99,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         info = callback_lib.RunInfo(
             model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
             global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
-            precision=settings.precision)
+            precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
+            tensorflow=tf.__version__, machine=provenance.machine())
         logging = callback_lib.run_callbacks(info, results_dir, report=report)
     users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
     try:
@@ -161,17 +161,17 @@ def _fit_whole_chunks(prepared, steps_per_epoch):
         prepared.steps_per_execution = math.gcd(steps_per_epoch, chunk)
 
 
-def _run_record(model, strategy, batch_size, precision, labels):
-    """What a checkpoint records of its run, so that a resume with other settings is refused.
-
-    The data is identified by its size and a digest of its labels (or, for a
-    dataset, its cardinality), which a changed split, seed or source alters.
-    """
+def _data_identity(labels):
+    """What identifies a run's data: its size and a digest of its labels (for a dataset, its cardinality),
+    which a changed split, seed or source alters."""
     if isinstance(labels, tf.data.Dataset):
-        data = f"tf.data.Dataset of {int(labels.cardinality())} batches"
-    else:
-        labels = np.ascontiguousarray(labels)
-        data = f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
+        return f"tf.data.Dataset of {int(labels.cardinality())} batches"
+    labels = np.ascontiguousarray(labels)
+    return f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
+
+
+def _run_record(model, strategy, batch_size, precision, data):
+    """What a checkpoint records of its run, so that a resume with other settings is refused."""
     return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
             "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
             "accumulate": strategy.accumulate, "precision": precision}

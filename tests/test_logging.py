@@ -1,3 +1,4 @@
+import csv
 import re
 import statistics
 import subprocess
@@ -103,21 +104,25 @@ def test_a_failed_run_leaves_no_empty_csv_and_logs_why(small_cnn, tmp_path, trai
     with pytest.raises(RuntimeError, match="boom"):
         train(small_cnn(), tmp_path, callbacks=[Explode()])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.log"]
-    assert (tmp_path / "results.log").read_text().splitlines()[-1].endswith(
-        "failed model=small_cnn strategy=single: RuntimeError: boom")
+    assert re.fullmatch(r"\S+ failed model=small_cnn strategy=single: RuntimeError: boom \[run \d{8}T\d{6}-\d+-\w{4}\]",
+                        (tmp_path / "results.log").read_text().splitlines()[-1])
 
 
-def run_row(model, strategy, devices, batch, images_per_second):
+def run_row(model, strategy, devices, batch, images_per_second, **provenance):
     return {"model": model, "strategy": strategy, "devices": str(devices), "global_batch": str(batch),
-            "images_per_second": str(images_per_second)}
+            "images_per_second": str(images_per_second), "precision": "float32", "data": "d", "machine": "m",
+            **provenance}
 
 
 def test_the_speedup_baseline_is_the_latest_single_run_of_the_same_model_and_batch():
     rows = [run_row("a", "single", 1, 64, 100), run_row("a", "single", 1, 128, 400), run_row("b", "single", 1, 64, 7),
-            run_row("a", "mirrored", 2, 64, 150), run_row("a", "single", 1, 64, 120)]
-    assert runs.single_throughput(rows, "a", 64) == 120.0  # the latest, not the first or another batch's
-    assert runs.single_throughput(rows, "a", 128) == 400.0
-    assert runs.single_throughput(rows, "a", 32) is None
+            run_row("a", "mirrored", 2, 64, 150), run_row("a", "single", 1, 64, 120),
+            run_row("a", "single", 1, 64, 9, machine="another"), run_row("a", "single", 1, 64, 9, data="2 examples"),
+            run_row("a", "single", 1, 64, 9, precision="mixed_bfloat16"), run_row("a", "single", 1, 64, 9, data="")]
+    assert runs.single_throughput(rows, run_row("a", "mirrored", 2, 64, 0)) == 120.0  # the latest alike
+    assert runs.single_throughput(rows, run_row("a", "mirrored", 2, 128, 0)) == 400.0
+    assert runs.single_throughput(rows, run_row("a", "mirrored", 2, 32, 0)) is None
+    assert runs.single_throughput(rows, run_row("a", "mirrored", 2, 64, 0, data="")) is None  # unknown: no match
     assert runs.speedup_and_efficiency("mirrored", 2, 150.0, 120.0) == (1.25, 0.625)
     assert runs.speedup_and_efficiency("mirrored", 2, 150.0, None) == ("", "")
 
@@ -167,27 +172,48 @@ def test_a_runs_csv_of_unknown_columns_is_refused_before_training_and_left_alone
 
 
 def test_a_runs_csv_of_an_older_version_is_migrated_keeping_its_rows(small_cnn, tmp_path, train):
-    old_columns = [c for c in runs.RUNS_COLUMNS if c not in ("efficiency", "epoch_csv")]  # as if added later
+    old_columns = runs.RUNS_COLUMNS[:runs.RUNS_COLUMNS.index("precision")]  # the previous version's
     old_row = dict.fromkeys(old_columns, "") | {"model": "small_cnn", "strategy": "single", "global_batch": "64",
                                               "images_per_second": "5000"}
     (tmp_path / "runs.csv").write_text(runs.csv_text(old_columns, [old_row]))
     with pytest.warns(UserWarning) as warned:
         train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
     assert [str(w.message) for w in warned] == [
-        f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added efficiency,epoch_csv (empty in the 1 "
-        f"earlier rows)"]
+        f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added precision,data,run_id,version,"
+        f"tensorflow,machine (empty in the 1 earlier rows)"]
     rows = read(tmp_path / "runs.csv")
     assert list(rows[0]) == runs.RUNS_COLUMNS and len(rows) == 2
-    assert {k: rows[0][k] for k in ("model", "images_per_second", "efficiency")} == {
-        "model": "small_cnn", "images_per_second": "5000", "efficiency": ""}
-    assert float(rows[1]["speedup"]) == pytest.approx(float(rows[1]["images_per_second"]) / 5000, abs=1e-3)
+    assert {k: rows[0][k] for k in ("model", "images_per_second", "machine")} == {
+        "model": "small_cnn", "images_per_second": "5000", "machine": ""}
+    assert rows[1]["speedup"] == ""  # the old Single row does not say on which data and machine it ran
 
 
 def test_a_line_cut_short_is_skipped_with_a_warning_and_the_row_still_lands(small_cnn, tmp_path, train):
     train(small_cnn(), tmp_path, epochs=1)
     text = (tmp_path / "runs.csv").read_text()
     (tmp_path / "runs.csv").write_text(text[:text.rindex(",", 0, len(text) - 40)])  # no newline at the end
-    with pytest.warns(UserWarning, match=r"runs.csv, line 2: expected 15 comma-separated values. Received: "):
+    columns = len(runs.RUNS_COLUMNS)
+    with pytest.warns(UserWarning, match=rf"runs.csv, line 2: expected {columns} comma-separated values. Received: "):
         train(small_cnn(), tmp_path, epochs=1)
-    lines = (tmp_path / "runs.csv").read_text().splitlines()
-    assert len(lines) == 3 and lines[2].count(",") == 14
+    lines = list(csv.reader((tmp_path / "runs.csv").read_text().splitlines()))
+    assert len(lines) == 3 and len(lines[2]) == columns
+
+
+def test_speedup_is_measured_only_against_a_single_run_of_the_same_data_precision_and_machine(
+        small_cnn, tmp_path, train, few_digits):
+    x, y = few_digits
+    cnnpar.fit(small_cnn(), x[:128], y[:128], batch_size=64, epochs=1, results_dir=tmp_path, verbose=0)  # other data
+    train(small_cnn(), tmp_path, epochs=1, precision="mixed_bfloat16")  # the same data, another precision
+    train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
+    rows = read(tmp_path / "runs.csv")
+    assert rows[-1]["speedup"] == rows[-1]["efficiency"] == ""  # no Single run of these data in float32
+    train(small_cnn(), tmp_path, epochs=1)
+    train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
+    first, *_, single, mirrored = read(tmp_path / "runs.csv")
+    assert float(mirrored["speedup"]) == pytest.approx(
+        float(mirrored["images_per_second"]) / float(single["images_per_second"]), abs=1e-3)
+    assert first["data"] != single["data"] == mirrored["data"] and single["data"].startswith("256 examples, labels ")
+    assert len({row["run_id"] for row in read(tmp_path / "runs.csv")}) == 5
+    assert mirrored["machine"] and mirrored["tensorflow"] and mirrored["version"].startswith(cnnpar.__version__)
+    log = (tmp_path / "results.log").read_text().splitlines()
+    assert all(line.endswith(f" [run {mirrored['run_id']}]") for line in log[-4:])  # start, machine, epoch, end
