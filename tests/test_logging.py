@@ -3,6 +3,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import keras
 import pytest
@@ -217,3 +218,39 @@ def test_speedup_is_measured_only_against_a_single_run_of_the_same_data_precisio
     assert mirrored["machine"] and mirrored["tensorflow"] and mirrored["version"].startswith(cnnpar.__version__)
     log = (tmp_path / "results.log").read_text().splitlines()
     assert all(line.endswith(f" [run {mirrored['run_id']}]") for line in log[-4:])  # start, machine, epoch, end
+
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from keras_cnnpar import runs
+path, ready, line = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+with runs.locked(path) as file:
+    file.write(line[:len(line) // 2])
+    file.flush()
+    ready.touch()
+    time.sleep(1.0)  # holds the lock mid-line
+    file.write(line[len(line) // 2:] + "\\n")
+"""
+APPENDERS = {
+    "results.log": ("A line written in two halves", lambda folder: runs.append_line(folder / "results.log", "B")),
+    "runs.csv": (",".join(runs.RUNS_COLUMNS), lambda folder: runs.append_run(folder, runs.RunInfo(
+        "m", "single", 1, 64, 64, 1), [{"epoch": 1, "train_seconds": 1.0, "images_per_second": 64.0}])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(APPENDERS))
+def test_an_append_waits_for_a_writer_that_holds_the_file_mid_line(tmp_path, name):
+    first_line, append = APPENDERS[name]
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), str(ready), first_line], env=ENV)
+    try:
+        while not ready.exists():
+            assert holder.poll() is None, "the holder failed"
+            time.sleep(0.01)
+        append(tmp_path)  # must wait until the holder's line is whole
+    finally:
+        holder.wait(timeout=30)
+    lines = (tmp_path / name).read_text().splitlines()
+    assert lines[0] == first_line and len(lines) == 2
