@@ -230,6 +230,14 @@ def alive(pid):
         return False
 
 
+def still_alive_after(pids, seconds=30):
+    """The processes of ``pids`` still alive once all have ended or ``seconds`` have passed (``[]``: all gone)."""
+    deadline = time.monotonic() + seconds
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def worker_envs(workers=2):
     spec = cluster.local_spec(workers)
     return [{**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]

@@ -28,6 +28,7 @@ from tests.helpers import (
     descendants,
     epoch_column,
     processes,
+    still_alive_after,
     suite_processes,
     wait_for_epoch_rows,
     wait_for_file,
@@ -293,9 +294,7 @@ def test_cluster_start_killed_while_starting_leaves_no_server_and_stop_cleans_up
         config = json.loads(spec.read_text())  # the servers are recorded before they are waited for
         pids = [pid for job in config["pids"].values() for pid in job]
         os.kill(starter.pid, signal.SIGKILL)  # before the servers are ready (TensorFlow takes seconds to start)
-        deadline = time.monotonic() + 30
-        while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = still_alive_after(pids)
     assert left == [], f"servers {left} outlived the start that was killed"
     result = CliRunner().invoke(cli.main, ["cluster", "stop", "--spec", str(spec)])
     assert result.exit_code == 0, result.output

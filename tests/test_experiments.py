@@ -12,10 +12,10 @@ from keras_cnnpar import cli, experiments, registry, runs
 from tests.helpers import (
     ENV,
     HEADER,
-    alive,
     cnnpar_command,
     descendants,
     processes,
+    still_alive_after,
     suite_processes,
     wait_for_epoch_rows,
     write_lines,
@@ -131,7 +131,5 @@ def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, sm
         training = descendants(sweep.pid)
         os.kill(sweep.pid, sig)
         sweep.wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while (left := [pid for pid in training if alive(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = still_alive_after(training)
     assert training and left == [], f"{left} outlived the sweep"

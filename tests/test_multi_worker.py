@@ -3,6 +3,7 @@
 Every test bounds its processes' time and kills whatever it started.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -21,13 +22,13 @@ from tests.helpers import (
     ENV,
     FLOORS,
     NATIVE_BFLOAT16,
-    alive,
     build_resnet_float64,
     build_small_cnn,
     epoch_column,
     max_difference,
     processes,
     read_rows,
+    still_alive_after,
     wait_for_epoch_rows,
     worker_envs,
     worker_pid,
@@ -278,27 +279,28 @@ def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, messag
     assert not (tmp_path / "results").exists()
 
 
-def test_no_worker_outlives_a_launcher_killed_outright(tmp_path, small_csv):
+@contextlib.contextmanager
+def training_workers(tmp_path, small_csv):
+    """A launcher of 2 local workers with a long run ahead, once their first epoch is done; and their pids."""
     command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
-        workers = [worker_pid(launcher, index) for index in (0, 1)]
+        yield launcher, [worker_pid(launcher, index) for index in (0, 1)]
+
+
+def test_no_worker_outlives_a_launcher_killed_outright(tmp_path, small_csv):
+    with training_workers(tmp_path, small_csv) as (launcher, workers):
         os.kill(launcher.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while (left := [pid for pid in workers if alive(pid)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        left = still_alive_after(workers)
         assert left == [], f"workers {left} outlived their launcher"
 
 
 def test_a_closed_terminal_preempts_the_workers_as_sigterm_does(tmp_path, small_csv):
-    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
-    with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
-        workers = [worker_pid(launcher, index) for index in (0, 1)]
+    with training_workers(tmp_path, small_csv) as (launcher, workers):
         os.kill(launcher.pid, signal.SIGHUP)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
-    assert [pid for pid in workers if alive(pid)] == []
+    assert still_alive_after(workers, seconds=0) == []
     assert (tmp_path / "results" / "checkpoints" / RUN / "preemption" / "checkpoint").exists()
 
 
