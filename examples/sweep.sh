@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the committed sweep in results/: the three models, every in-process strategy, 1/2/4 devices,
+# The reference sweep (docs/sweep/, regenerated with `bash examples/sweep.sh docs/sweep`; by default it
+# writes to results/, which git ignores): the three models, every in-process strategy, 1/2/4 devices,
 # 3 epochs on the embedded mnist-5k at global batch 64, each configuration in a fresh process with the
 # parity checks on; then the report (summary.csv, summary.md, plots). An interrupted sweep resumes.
 set -euo pipefail
