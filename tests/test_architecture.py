@@ -2,6 +2,7 @@
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,15 @@ def test_exporting_a_zoo_model_loads_neither_training_nor_the_strategies(tmp_pat
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[]"
     assert (tmp_path / "export" / "1" / "saved_model.pb").exists()
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="not a git checkout")
+def test_a_users_runs_into_results_leave_the_checkout_clean_and_the_reference_sweep_is_tracked():
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+    run_files = ["results/runs.csv", "results/results.log", "results/summary.md",
+                 "results/cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv"]
+    assert all(ignored(path) for path in run_files)
+    tracked = subprocess.run(["git", "ls-files", "docs/sweep", "results"], cwd=ROOT, capture_output=True, text=True)
+    assert "docs/sweep/runs.csv" in tracked.stdout.split() and "results/" not in tracked.stdout
