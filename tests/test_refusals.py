@@ -67,6 +67,7 @@ def test_a_results_log_that_is_a_symbolic_link_is_refused_and_its_target_untouch
     assert sorted(p.name for p in results.iterdir()) == ["results.log"]
 
 
+@pytest.mark.slow  # an export verified in a fresh process
 def test_results_weights_and_exports_are_created_as_the_umask_says(small_csv, tmp_path):
     previous = os.umask(0o027)
     try:
