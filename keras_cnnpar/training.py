@@ -85,41 +85,42 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         precision=precision, fused_optimizer=bool(fused_optimizer), resume=bool(resume) or strategy.resume,
         record=_run_record(model, strategy, batch_size, precision, data) if strategy.keeps_checkpoints else {})
     run = strategy.prepare(model, settings)
-    _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
-    initial_epoch = run.resume_epoch(initial_epoch)
-    if settings.resume and run.checkpoint and initial_epoch >= epochs:
-        raise ValueError(f"{run.checkpoint.directory} already holds all {epochs} requested epochs "
-                         f"({initial_epoch} completed); there is nothing to train, and the checkpoint is kept. "
-                         f"Received: epochs={epochs}")
-    report = run.report()
-    if report and fit_kwargs.get("verbose", 1):
-        print(report)
-    logging = []
-    if results_dir is not None and strategy.is_chief:
-        info = callback_lib.RunInfo(
-            model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
-            global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
-            precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
-            tensorflow=tf.__version__, machine=provenance.machine())
-        logging = callback_lib.run_callbacks(info, results_dir, report=report)
-    users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
-    try:
-        history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging],
-                          initial_epoch=initial_epoch, **fit_kwargs)
-    except BaseException as error:
-        if logging:
-            epoch_logger, recorder = logging
-            epoch_logger.close()
-            with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
-                recorder.on_failure(error)
-        raise
-    run.finalize(model)
-    for user in users:  # on_train_end, with the trained state in the user's model
-        user.train_ended({name: values[-1] for name, values in history.history.items() if values})
-    history.set_model(model)
-    history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
-    model.history = history
-    return history
+    with contextlib.closing(run):  # its processes and temporary files end with this call, failed or not
+        _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
+        initial_epoch = run.resume_epoch(initial_epoch)
+        if settings.resume and run.checkpoint and initial_epoch >= epochs:
+            raise ValueError(f"{run.checkpoint.directory} already holds all {epochs} requested epochs "
+                             f"({initial_epoch} completed); there is nothing to train, and the checkpoint is kept. "
+                             f"Received: epochs={epochs}")
+        report = run.report()
+        if report and fit_kwargs.get("verbose", 1):
+            print(report)
+        logging = []
+        if results_dir is not None and strategy.is_chief:
+            info = callback_lib.RunInfo(
+                model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
+                global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
+                precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
+                tensorflow=tf.__version__, machine=provenance.machine())
+            logging = callback_lib.run_callbacks(info, results_dir, report=report)
+        users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
+        try:
+            history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging],
+                              initial_epoch=initial_epoch, **fit_kwargs)
+        except BaseException as error:
+            if logging:
+                epoch_logger, recorder = logging
+                epoch_logger.close()
+                with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
+                    recorder.on_failure(error)
+            raise
+        run.finalize(model)
+        for user in users:  # on_train_end, with the trained state in the user's model
+            user.train_ended({name: values[-1] for name, values in history.history.items() if values})
+        history.set_model(model)
+        history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
+        model.history = history
+        return history
 
 
 def parallel(model):

@@ -2,7 +2,6 @@
 
 import contextlib
 import functools
-import itertools
 import json
 import math
 import sys
@@ -34,15 +33,19 @@ class AsyncPS(CheckpointedStrategy):
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
-    therefore noisier than under synchronous training, and too large a learning
-    rate diverges sooner. By default each step's gradient is divided by its
-    staleness (at least 1), as staleness-aware async SGD does (Zhang et al.,
-    2016): a fresh gradient lands whole, a stale one damped, which kept the
-    momentum-SGD 3+3 CNN from diverging with 4 workers; Adam normalizes its
-    steps, so it is barely affected. The learning rate is kept
-    (``scale_lr=None``): each update uses a whole batch, so there is no larger
-    batch to scale for. docs/strategies.md has the measured effect on both
-    CNNs. Each epoch
+    therefore noisier than under synchronous training, and a rate that is
+    stable for synchronous momentum SGD can diverge. Two defaults keep it
+    stable: the first ``warmup_steps`` updates of a run are scheduled one group
+    at a time (nothing stale while the gradients are largest), and then each
+    step's gradient is divided by ``(1 + staleness) ** 2``, so a fresh gradient
+    lands whole and one that is 1 update late a quarter of it (after Zhang et
+    al., 2016, "Staleness-aware Async-SGD", who divide by the staleness;
+    that was not enough for momentum SGD, which collapsed to chance in some
+    seeds). Adam normalizes its steps, so it is barely affected. The learning
+    rate is kept (``scale_lr=None``): each update uses a whole batch, so there
+    is no larger batch to scale for. docs/strategies.md has the measured
+    effect on the three model kinds, seed by seed
+    (``benchmarks/async_robustness.py``). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates landed between a step reading the weights and its gradient
     being ready to apply), and ``steps_applied`` (counted on the parameter
@@ -102,8 +105,10 @@ class AsyncPS(CheckpointedStrategy):
             reach it (they pull the checkpoint's values from it). Default: this
             host's address on the interface that routes to the cluster.
         scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
-        staleness_aware: divide each step's gradient by its staleness (default
-            True); False applies every gradient whole.
+        staleness_aware: divide each step's gradient by ``(1 + staleness) ** 2``
+            (default True); False applies every gradient whole.
+        warmup_steps: updates at the start of a run scheduled one group of
+            ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
         steps_per_execution: training steps per scheduled function (default 8).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
         checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
@@ -121,7 +126,8 @@ class AsyncPS(CheckpointedStrategy):
     needs_cluster = True
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
-                 steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False, precise_bn=16):
+                 warmup_steps=64, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False,
+                 precise_bn=16):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -133,23 +139,17 @@ class AsyncPS(CheckpointedStrategy):
         self.ps = len(self.spec["ps"]) if self.spec else ps
         self.scale_lr = arguments.scale_lr(scale_lr)
         self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
+        self.warmup_steps = arguments.non_negative_int("warmup_steps", warmup_steps)
         self.precise_bn = arguments.non_negative_int("precise_bn", precise_bn)
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
+        self.coordinator_address = coordinator
         self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
-                         "staleness_aware": staleness_aware, "steps_per_execution": steps_per_execution,
-                         "timeout": timeout, "checkpoint_dir": self.checkpoint_dir, "precise_bn": precise_bn}
-        #: This process already runs TensorFlow, so models exist that joining the cluster would orphan: a
-        #: coordinator process of its own trains instead (``async_remote``).
-        self.remote = _runtime_started()
-        if self.remote:
-            if self.spec is not None:
-                network.wait_reachable(self.spec, self.timeout)
-            self.cluster, self._strategy, self.coordinator = self.spec, None, None
-            return
-        self.cluster = self.spec or _in_process_cluster(self.workers, self.ps)
-        network.wait_reachable({job: tasks for job, tasks in self.cluster.items() if job != "chief"}, self.timeout)
-        self._strategy, self.coordinator = _connect(json.dumps(self.cluster, sort_keys=True), coordinator)
+                         "staleness_aware": staleness_aware, "warmup_steps": warmup_steps,
+                         "steps_per_execution": steps_per_execution, "timeout": timeout,
+                         "checkpoint_dir": self.checkpoint_dir, "precise_bn": precise_bn}
+        if self.spec is not None:
+            network.wait_reachable(self.spec, self.timeout)
 
     def options(self):
         """The options the coordinator process creates this strategy with; the rate arrives already scaled."""
@@ -168,27 +168,45 @@ class AsyncPS(CheckpointedStrategy):
         return 1
 
     def __repr__(self):
-        where = "in-process" if self.spec is None else "external"
+        where = "local" if self.spec is None else "external"
         return f"<AsyncPS workers={self.workers} ps={self.ps} cluster={where} scale_lr={self.scale_lr}>"
 
     def _tf_strategy(self):
-        return self._strategy
+        connection = _JOINED.get("cluster")
+        return connection.tf_strategy if connection else None
 
     def describe(self):
-        """The report's first words: the cluster and how the rate is scaled."""
-        return (f"async-ps: {self.workers} workers, {self.ps} parameter servers "
-                f"({'in-process' if self.spec is None else 'external'} cluster"
-                f"{'' if self.remote else ' ' + str(self.cluster)})")
+        """The report's first words: the cluster."""
+        cluster = "local cluster" if self.spec is None else f"external cluster {self.spec}"
+        return f"async-ps: {self.workers} workers, {self.ps} parameter servers ({cluster})"
+
+    def join(self, private_network=False):
+        """Make this process the coordinator of the cluster, starting the local one first; once per process.
+
+        Only the coordinator process (:mod:`keras_cnnpar.strategies.async_remote`)
+        calls it, before it builds any model: joining restarts TensorFlow's
+        runtime under the cluster's device names. ``private_network``: this
+        process runs in a network namespace of its own, so its servers need no
+        warning.
+        """
+        cluster = self.spec or _local_cluster(self.workers, self.ps)
+        network.wait_reachable(cluster, self.timeout)
+        chief = cluster_lib.coordinator_address(cluster, self.coordinator_address)
+        if not private_network:
+            ports = [address.rpartition(":")[2] for addresses in cluster.values() for address in addresses]
+            what = "local cluster and its coordinator" if self.spec is None else "coordinator of this run"
+            listed = [*ports, chief.rpartition(":")[2]] if self.spec is None else [chief.rpartition(":")[2]]
+            print(network.exposure_warning(what, listed), file=sys.stderr, flush=True)
+        tf_strategy, coordinator = _connect(json.dumps({**cluster, "chief": [chief]}, sort_keys=True))
+        _JOINED["cluster"] = _Connection(cluster, tf_strategy, coordinator)
 
     def prepare(self, model, settings=None):
+        """In the user's process: the run that drives a coordinator process. In the coordinator process (after
+        :meth:`join`): the run that trains, with the prepared model's variables on the parameter servers."""
         settings = settings or base.RunSettings()
-        if self.remote:
-            if settings.resume:
-                raise ValueError("resume=True needs the strategy created before any model (a model built first "
-                                 "trains in a coordinator process of its own, which starts afresh): create "
-                                 "cnnpar.AsyncPS(..., resume=True) at the top of the program, or run `cnnpar train "
-                                 "--strategy async-ps --resume`. Received: resume=True")
-            return RemoteAsyncRun(self, settings, self.prepared_copy(model, settings))
+        connection = _JOINED.get("cluster")
+        if connection is None:
+            return async_remote.CoordinatorProcessRun(self, settings, self.prepared_copy(model, settings))
         prepared = self.prepared_copy(model, settings)
         self.build_optimizer(prepared)
         checkpoint = None
@@ -196,41 +214,34 @@ class AsyncPS(CheckpointedStrategy):
             checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
                                                    dict(settings.record))
             checkpoint.restore()
-        return AsyncRun(self, settings, prepared, checkpoint)
+        return AsyncRun(self, connection, settings, prepared, checkpoint)
 
     def replica_batches(self, dataset):
         raise NotImplementedError("each worker reads its own stream, from an offset of its own")
 
     def probe(self):
-        if self.remote:
-            raise NotImplementedError("a probe step would need a coordinator process of its own too")
-        return self.replace(checkpoint_dir=None, resume=False)
+        raise NotImplementedError("a one-step probe would need a coordinator process and a cluster of its own")
 
 
-class RemoteAsyncRun(base.Run):
-    """An ``AsyncPS`` training of a model built before the strategy: a coordinator process trains it
-    (:mod:`keras_cnnpar.strategies.async_remote`)."""
+class _Connection:
+    """This process's place in a cluster as its coordinator: the spec, the ``ParameterServerStrategy`` and
+    the ``ClusterCoordinator``."""
 
-    def report(self):
-        strategy = self.strategy
-        return (f"{strategy.describe()}, trained by a coordinator process of its own: this process built its model "
-                f"before the strategy, so it stays out of the cluster; learning rate x{strategy.lr_factor():.3g} "
-                f"(scale_lr={strategy.scale_lr})")
+    def __init__(self, cluster, tf_strategy, coordinator):
+        self.cluster, self.tf_strategy, self.coordinator = cluster, tf_strategy, coordinator
 
-    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
-            steps_per_epoch=None, validation_steps=None, **unsupported):
-        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
-        return async_remote.fit(self, train, epochs=epochs, steps=steps, validation_data=validation_data,
-                                validation_steps=validation_steps, callbacks=callbacks, initial_epoch=initial_epoch,
-                                verbose=verbose)
+
+#: ``{"cluster": _Connection}`` once this process joined a cluster (``AsyncPS.join``), for the rest of it.
+_JOINED = {}
 
 
 class AsyncRun(base.Run):
-    """An ``AsyncPS`` training with this process as the coordinator: the prepared model (its variables on the
-    parameter servers), the per-epoch checkpoint and the precise-BN statistics."""
+    """An ``AsyncPS`` training in the coordinator process: the prepared model (its variables on the parameter
+    servers), the per-epoch checkpoint and the precise-BN statistics."""
 
-    def __init__(self, strategy, settings, model, checkpoint):
+    def __init__(self, strategy, connection, settings, model, checkpoint):
         super().__init__(strategy, settings, model, checkpoint)
+        self.connection = connection
         self.precise = precise_bn.PreciseBatchNorm(model) if strategy.precise_bn else None
         if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
             self.precise = None
@@ -239,7 +250,8 @@ class AsyncRun(base.Run):
     def report(self):
         strategy = self.strategy
         lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
-                 + ("; each gradient divided by its staleness" if strategy.staleness_aware else "")
+                 + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
+                 + ("; each gradient divided by (1 + its staleness)^2" if strategy.staleness_aware else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
@@ -247,22 +259,21 @@ class AsyncRun(base.Run):
                  self.resumed_line()]
         return "\n".join(line for line in lines if line)
 
-    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
-            steps_per_epoch=None, validation_steps=None, **unsupported):
-        strategy, prepared = self.strategy, self.model
-        steps = loop.epoch_steps(strategy, train, steps_per_epoch, unsupported)
-        rebuild.build_compiled_state(prepared, train.element_spec, strategy.scope())
-        async_loop = _AsyncLoop(strategy, prepared, _offset_on_each_worker(train.repeat(), steps),
-                                strategy.steps_per_execution)
+    def fit(self, epoch_batches, *, epochs=1, steps_per_epoch, validation_data=None, validation_steps=None,
+            callbacks=None, initial_epoch=0, verbose=1):
+        """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
+        finite dataset of batches, which the workers read, each from an offset of its own."""
+        strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
+        async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
-        statistics_batches = iter(train.repeat()) if self.precise else None  # on the coordinator, for precise BN
 
         def train_epoch(epoch, callback_list):
+            batches = epoch_batches(epoch)
+            rebuild.build_compiled_state(prepared, batches.element_spec, strategy.scope())
             callback_list.on_train_batch_begin(0)
-            logs = async_loop.run_epoch(steps)
-            if self.precise:
-                batches = itertools.islice(statistics_batches, strategy.precise_bn)
-                logs["precise_bn_batches"] = float(self.precise.update(prepared, batches))
+            logs = async_loop.run_epoch(steps, batches)
+            if self.precise:  # on the coordinator, from this epoch's first batches
+                logs["precise_bn_batches"] = float(self.precise.update(prepared, batches.take(strategy.precise_bn)))
             callback_list.on_train_batch_end(steps - 1, logs)
             return logs
 
@@ -284,7 +295,7 @@ class AsyncRun(base.Run):
         try:
             yield
         except tf.errors.OpError as error:
-            cluster = self.strategy.cluster
+            cluster = self.connection.cluster
             lost = network.unreachable({"ps": cluster["ps"]})
             if not lost:
                 raise
@@ -299,22 +310,27 @@ class AsyncRun(base.Run):
 class _AsyncLoop:
     """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness."""
 
-    def __init__(self, strategy, model, dataset, steps_per_group):
-        self.tf_strategy, self.coordinator = strategy._tf_strategy(), strategy.coordinator
-        self.workers = {"worker": strategy.cluster["worker"]}
+    def __init__(self, strategy, connection, model, steps_per_group):
+        self.tf_strategy, self.coordinator = connection.tf_strategy, connection.coordinator
+        self.workers = {"worker": connection.cluster["worker"]}
         self.model, self.steps_per_group = model, steps_per_group
-        self.staleness_aware = strategy.staleness_aware
+        self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
-        self.iterator = iter(self.coordinator.create_per_worker_dataset(dataset))
         self._groups = {}
 
-    def run_epoch(self, steps):
+    def run_epoch(self, steps, batches):
+        """Run ``steps`` steps on the workers, each reading ``batches`` (one epoch's) from an offset of its own."""
         self.model.reset_metrics()
+        iterator = iter(self.coordinator.create_per_worker_dataset(_offset_on_each_worker(batches.repeat(), steps)))
         applied_before = int(self.applied.numpy())
         groups = [self.steps_per_group] * (steps // self.steps_per_group)
         groups += [steps % self.steps_per_group] if steps % self.steps_per_group else []
-        results = [self.coordinator.schedule(self._group(size), args=(self.iterator,)) for size in groups]
+        results = []
+        while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
+            results.append(self.coordinator.schedule(self._group(groups.pop(0)), args=(iterator,)))
+            self.coordinator.join()
+        results += [self.coordinator.schedule(self._group(size), args=(iterator,)) for size in groups]
         self.coordinator.join()
         loss, staleness = np.concatenate([r.fetch() for r in results]).T
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
@@ -343,9 +359,9 @@ class _AsyncLoop:
             variables = model.trainable_variables
             gradients = tape.gradient(scaled_loss, variables)
             if staleness_aware:
-                with tf.control_dependencies(gradients):  # updates that landed since this step read the weights
-                    lag = tf.cast(tf.maximum(applied.read_value() - seen, 1), gradients[0].dtype)
-                gradients = [g / lag for g in gradients]
+                with tf.control_dependencies(gradients):  # 1 + the updates that landed since this step read
+                    late = tf.cast(applied.read_value() - seen + 1, gradients[0].dtype)
+                gradients = [g / (late * late) for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
             model.compute_metrics(x, y, y_pred)
             with tf.control_dependencies(gradients):
@@ -357,13 +373,6 @@ class _AsyncLoop:
             return tf.stack([tf_strategy.run(one_step, args=(next(iterator),)) for _ in range(size)])
 
         return group
-
-
-def _runtime_started():
-    """Whether this process has started TensorFlow's runtime (built a model, made a tensor)."""
-    from tensorflow.python.eager import context
-
-    return context.context()._context_handle is not None
 
 
 def _bytes_per_task(variables):
@@ -397,8 +406,8 @@ def _evaluator(prepared):
 
 
 @functools.cache
-def _in_process_cluster(workers, ps, tries=3):
-    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this process, once; return their spec.
+def _local_cluster(workers, ps, tries=3):
+    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this (the coordinator) process, once; return their spec.
 
     The ports are chosen free, then bound by TensorFlow, which takes no socket
     that is already bound; when another process took one in between, the
@@ -407,14 +416,12 @@ def _in_process_cluster(workers, ps, tries=3):
     for attempt in range(1, tries + 1):
         spec = cluster_lib.local_spec(workers, ps)
         try:
-            _in_process_cluster.servers = _start_servers(spec, workers)
+            _local_cluster.servers = _start_servers(spec, workers)
             break
         except (tf.errors.OpError, RuntimeError) as error:
             if attempt == tries:
-                raise ConnectionError(f"cannot start the in-process cluster: {tries} tries on fresh ports failed; "
+                raise ConnectionError(f"cannot start the local cluster: {tries} tries on fresh ports failed; "
                                       f"the last one: {error}") from None
-    ports = [address.rpartition(":")[2] for addresses in spec.values() for address in addresses]
-    print(network.exposure_warning("in-process cluster", ports), file=sys.stderr, flush=True)
     return spec
 
 
@@ -430,11 +437,9 @@ def _start_servers(spec, workers):
 
 
 @functools.cache
-def _connect(spec_json, coordinator=None):
-    """Connect this process to the cluster as its coordinator (task ``chief:0`` at the address of
-    ``cluster.coordinator_address``); one connection per cluster and process."""
+def _connect(spec_json):
+    """Connect this process to the cluster of ``spec_json`` as its coordinator, task ``chief:0``; once."""
     spec = json.loads(spec_json)
-    spec = {**spec, "chief": [cluster_lib.coordinator_address(spec, coordinator)]}
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks

@@ -1,103 +1,173 @@
-"""AsyncPS for a model built before the strategy: a coordinator process of its own trains it.
+"""AsyncPS's one path: a coordinator process of its own trains, the user's process drives it.
 
 A process joins a TensorFlow cluster only by restarting its runtime under the
 cluster's device names, which leaves every model it built before unreadable.
-So when ``AsyncPS`` is created in a process that already runs TensorFlow (as
-``fit(strategy="async-ps")`` always is), the user's process stays out of the
-cluster: :func:`fit` saves the model (weights, compile settings, optimizer
-state) and the batches of the run into a temporary folder and starts
-``python -m keras_cnnpar.strategies.async_remote FOLDER``, a fresh process that
-creates the same ``AsyncPS`` first, loads the model and trains it. After every
-epoch the child writes the weights and one ``EPOCH`` line of logs; the parent
-loads them into its copy, runs the callbacks against it, and answers with the
-learning rate and whether to stop. At the end the trained model, optimizer
-state included, comes back the same way. The parent's process is never
-connected, so predict, export and other strategies keep working in it.
+So the user's process never joins: ``AsyncPS.prepare`` saves the prepared model
+(weights, compile settings, optimizer state) into a temporary folder and starts
+``python -m keras_cnnpar.strategies.async_remote FOLDER PID``, a fresh process
+that joins the cluster first (starting the local one), loads the model,
+restores the run's checkpoint and answers with the report and the completed
+epochs. Whichever was created first, the model or the strategy, training takes
+this path. A local cluster's process runs in a private network namespace where
+Linux allows one (``unshare --user --net``): its servers and its coordinator
+listen on a loopback no other process or host can reach.
 
-The batches of every epoch are saved up front (``tf.data.Dataset.save``), so a
-reshuffling pipeline gives the child the same batches the user's process would
-have read; the folder holds ``epochs`` passes of the data until the run ends.
+Per epoch the user's process writes that epoch's batches (``tf.data``'s
+``save``, so a reshuffling pipeline gives the same batches it would have read)
+and sends the learning rate; the coordinator trains and writes the weights and
+one ``EPOCH`` line of logs; the user's process loads them into its copy, runs
+the callbacks against it, removes the epoch's batches and answers whether to
+stop. The folder holds at most one epoch's batches (and the validation
+batches). At the end the trained model, optimizer state included, comes back
+the same way. An error in the coordinator comes back as the same exception
+type with its message (``PeerLost``, ``ValueError``, ...). The coordinator
+removes the folder and exits when the user's process dies.
 """
 
+import builtins
+import itertools
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import rebuild
+from keras_cnnpar import network, rebuild
 from keras_cnnpar.strategies import loop
-from keras_cnnpar.strategies.base import RunSettings, create
-from keras_cnnpar.subprocesses import dying_with_parent, python_command
+from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings, create
+from keras_cnnpar.subprocesses import python_command
 
-#: The prefix of the child's protocol lines on its standard output.
-EPOCH, DONE = "CNNPAR-EPOCH ", "CNNPAR-DONE"
+#: The prefixes of the coordinator's protocol lines on its standard output.
+READY, EPOCH, DONE, ERROR = "CNNPAR-READY ", "CNNPAR-EPOCH ", "CNNPAR-DONE", "CNNPAR-ERROR "
 
 
-def fit(run, train, *, epochs, steps, validation_data, validation_steps, callbacks, initial_epoch, verbose):
-    """Train ``run.model`` under ``run.strategy`` in a coordinator process of its own; return the ``History``."""
-    prepared, settings = run.model, run.settings
-    with tempfile.TemporaryDirectory(prefix="cnnpar-async-") as folder:
-        folder = Path(folder)
-        prepared.save(folder / "model.keras")
-        train.take(steps * (epochs - initial_epoch)).save(str(folder / "train"))
+class CoordinatorCheckpoint:
+    """What the user's process knows of the run's checkpoint; the coordinator process restores, writes and
+    removes it."""
+
+    def __init__(self, directory, completed_epochs):
+        self.directory, self.completed_epochs = directory, completed_epochs
+
+
+class CoordinatorProcessRun(Run):
+    """An ``AsyncPS`` training seen from the user's process: the coordinator process, its folder and its report.
+
+    ``fit`` trains through it; ``finalize`` copies the trained state into the
+    user's model; ``close`` ends the process and removes the folder (also when
+    the run ends in an error).
+    """
+
+    def __init__(self, strategy, settings, model):
+        super().__init__(strategy, settings, model)
+        self.folder = Path(tempfile.mkdtemp(prefix="cnnpar-async-"))
+        self.child, self.trained = None, None
+        try:
+            model.save(self.folder / "model.keras")
+            (self.folder / "run.json").write_text(json.dumps({
+                "options": strategy.options(),
+                "settings": {"precision": settings.precision, "fused_optimizer": settings.fused_optimizer,
+                             "resume": settings.resume, "record": dict(settings.record)}}))
+            self.child = _start_coordinator(self.folder, private_network=strategy.spec is None)
+            ready = json.loads(self._expect(READY))
+        except BaseException:
+            self.close()
+            raise
+        self.coordinator_report = ready["report"]
+        if ready["checkpoint"] is not None:
+            self.checkpoint = CoordinatorCheckpoint(ready["checkpoint"], ready["completed_epochs"])
+
+    def report(self):
+        return self.coordinator_report
+
+    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, **unsupported):
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         if validation_data is not None:
             validation_steps = validation_steps or loop.finite_steps(validation_data, "validation")
-            validation_data.take(validation_steps).save(str(folder / "validation"))
-        (folder / "run.json").write_text(json.dumps({
-            "options": run.strategy.options(),
-            "settings": {"precision": settings.precision, "fused_optimizer": settings.fused_optimizer,
-                         "record": dict(settings.record)},
-            "fit": {"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
-                    "validation_steps": validation_steps if validation_data is not None else None}}))
-        child = subprocess.Popen(  # dying with the user's process, it leaves none behind
-            dying_with_parent(python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder))),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            validation_data.take(validation_steps).save(str(self.folder / "validation"))
+        self._send({"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
+                    "validation_steps": validation_steps if validation_data is not None else None})
+        batches = iter(train.repeat())  # one iterator, epoch after epoch, as Keras's fit reads it
         try:
             history = loop.run_epochs(
-                prepared, lambda epoch, _: _next_epoch(child, folder, prepared), epochs=epochs, steps=steps,
-                callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
-                after_epoch=lambda epoch: _answer(child, prepared))
-            _expect(child, DONE)
-            if child.wait() != 0:
-                raise RuntimeError(f"the AsyncPS coordinator process failed with exit code {child.returncode}")
-            rebuild.copy_state(keras.saving.load_model(folder / "trained.keras"), prepared)
+                self.model, lambda epoch, _: self._train_epoch(epoch, batches, steps, train.element_spec),
+                epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
+                after_epoch=lambda epoch: self._send({"stop": bool(self.model.stop_training)}))
+            self._expect(DONE)
+            if self.child.wait() != 0:
+                raise RuntimeError(f"the AsyncPS coordinator process failed with exit code {self.child.returncode}")
+            self.trained = keras.saving.load_model(self.folder / "trained.keras")
             return history
         finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+            self.close()
+
+    def finalize(self, model):
+        """Copy the trained weights and optimizer state into ``model`` (the coordinator removed the checkpoint)."""
+        rebuild.copy_state(self.trained, model)
+
+    def close(self):
+        """End the coordinator process, if it still runs, and remove the folder."""
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _train_epoch(self, epoch, batches, steps, element_spec):
+        """Write the epoch's batches, let the coordinator train on them, load the weights; return the logs."""
+        epoch_dataset = tf.data.Dataset.from_generator(lambda: itertools.islice(batches, steps),
+                                                       output_signature=element_spec)
+        epoch_dataset.save(str(self.folder / f"train-{epoch}"))
+        rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        self._send({"train": f"train-{epoch}", "learning_rate": rate})
+        logs = json.loads(self._expect(EPOCH))
+        shutil.rmtree(self.folder / f"train-{epoch}")
+        self.model.load_weights(self.folder / "epoch.weights.h5")
+        return logs
+
+    def _send(self, message):
+        self.child.stdin.write(json.dumps(message) + "\n")
+        self.child.stdin.flush()
+
+    def _expect(self, prefix):
+        """The rest of the coordinator's next line that starts with ``prefix`` (other lines pass through);
+        its error, raised here, when it sent one."""
+        for line in self.child.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):]
+            if line.startswith(ERROR):
+                raise _exception(json.loads(line[len(ERROR):]))
+            sys.stdout.write(line)
+        raise RuntimeError(f"the AsyncPS coordinator process ended (exit code {self.child.wait()}) before it sent "
+                           f"{prefix.strip()}; its errors are above")
 
 
-def _next_epoch(child, folder, prepared):
-    logs = json.loads(_expect(child, EPOCH))
-    prepared.load_weights(folder / "epoch.weights.h5")
-    return logs
+def _start_coordinator(folder, private_network):
+    """Start the coordinator process for ``folder``; in a private network namespace for a local cluster, where
+    Linux allows one."""
+    command = python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder), str(os.getpid()))
+    if private_network and network.private_network_available():
+        command = ["unshare", "--user", "--map-root-user", "--net", "--", *command, "--private-network"]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _expect(child, prefix):
-    """The rest of the child's next line that starts with ``prefix`` (other lines pass through)."""
-    for line in child.stdout:
-        if line.startswith(prefix):
-            return line[len(prefix):]
-        sys.stdout.write(line)
-    raise RuntimeError(f"the AsyncPS coordinator process ended (exit code {child.wait()}) before it sent "
-                       f"{prefix.strip()}; its errors are above")
-
-
-def _answer(child, prepared):
-    """Tell the child the learning rate to go on with and whether to stop."""
-    stop = bool(prepared.stop_training)
-    rate = float(keras.ops.convert_to_numpy(prepared.optimizer.learning_rate))
-    child.stdin.write(json.dumps({"stop": stop, "learning_rate": rate}) + "\n")
-    child.stdin.flush()
+def _exception(error):
+    """The exception the coordinator process reported: its own type where it is ``PeerLost`` or a built-in."""
+    kind = PeerLost if error["type"] == "PeerLost" else getattr(builtins, error["type"], None)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        return RuntimeError(f"the AsyncPS coordinator process failed: {error['type']}: {error['message']}")
+    return kind(error["message"])
 
 
 class _Reporter(keras.callbacks.Callback):
-    """In the coordinator process: after each epoch, write the weights and logs, then follow the parent's answer."""
+    """In the coordinator process: after each epoch, write the weights and logs, then follow the answer."""
 
     def __init__(self, folder):
         super().__init__()
@@ -106,25 +176,70 @@ class _Reporter(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.model.save_weights(self.folder / "epoch.weights.h5")
         print(EPOCH + json.dumps({name: float(value) for name, value in (logs or {}).items()}), flush=True)
-        answer = json.loads(sys.stdin.readline() or '{"stop": true}')
-        self.model.optimizer.learning_rate = answer["learning_rate"]
-        self.model.stop_training = answer["stop"]
+        self.model.stop_training = _receive()["stop"]
 
 
-def main(folder):
-    """The coordinator process: join the cluster first, then load the model and the batches, and train."""
+def _receive():
+    """The user's process's next message; an end of input (it closed the pipe) reads as ``stop``."""
+    line = sys.stdin.readline()
+    return json.loads(line) if line else {"stop": True}
+
+
+def _in_memory(batches):
+    """``batches`` (a finite dataset) as one whose tensors are constants of its graph, batch for batch, so that
+    workers on other hosts, which cannot read this host's files, read it too."""
+    batches = list(batches.as_numpy_iterator())
+    whole = tf.nest.map_structure(lambda *parts: tf.constant(np.concatenate(parts)), *batches)
+    sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in batches], np.int64)
+    starts = np.cumsum(sizes) - sizes
+    return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(
+        lambda start, size: tf.nest.map_structure(lambda part: part[start:start + size], whole))
+
+
+def _remove_when_orphaned(folder, parent):
+    """Watch the user's process ``parent``: once it is gone, remove ``folder`` and end this process."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="orphan-watch").start()
+
+
+def main(folder, parent, private_network=False):
+    """The coordinator process: join the cluster first, then load the model, restore the checkpoint, and
+    train on the epochs' batches as they come."""
     folder = Path(folder)
-    run = json.loads((folder / "run.json").read_text())
-    strategy = create("async-ps", **run["options"])  # first: this fresh process joins the cluster
-    model = keras.saving.load_model(folder / "model.keras")
-    train = tf.data.Dataset.load(str(folder / "train"))
-    validation = tf.data.Dataset.load(str(folder / "validation")) if (folder / "validation").exists() else None
-    training = strategy.prepare(model, RunSettings(**run["settings"]))
-    training.fit(train, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **run["fit"])
-    training.finalize(model)
-    model.save(folder / "trained.keras")
+    _remove_when_orphaned(folder, parent)
+    try:
+        if private_network:
+            network.loopback_up()
+        run = json.loads((folder / "run.json").read_text())
+        strategy = create("async-ps", **run["options"])
+        strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
+        model = keras.saving.load_model(folder / "model.keras")
+        training = strategy.prepare(model, RunSettings(**run["settings"]))
+        checkpoint = training.checkpoint
+        print(READY + json.dumps({
+            "report": training.report(), "checkpoint": str(checkpoint.directory) if checkpoint else None,
+            "completed_epochs": checkpoint.completed_epochs if checkpoint else 0}), flush=True)
+        request = _receive()
+        validation = tf.data.Dataset.load(str(folder / "validation")) if request["validation_steps"] else None
+
+        def epoch_batches(epoch):
+            message = _receive()
+            training.model.optimizer.learning_rate = message["learning_rate"]
+            return _in_memory(tf.data.Dataset.load(str(folder / message["train"])))
+
+        training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
+        training.finalize(model)
+        model.save(folder / "trained.keras")
+    except Exception as error:
+        print(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
+        raise
     print(DONE, flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]), private_network="--private-network" in sys.argv[3:])

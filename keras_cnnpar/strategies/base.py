@@ -296,6 +296,10 @@ class Run:
         if self.checkpoint is not None:
             self.checkpoint.remove()
 
+    def close(self):
+        """Release what the run holds beyond its model (processes, temporary files); ``cnnpar.fit`` calls it
+        last, after an error too."""
+
 
 class CheckpointedStrategy(Strategy):
     """Base of strategies that keep a checkpoint of each run and can resume it (``MultiWorker``, ``AsyncPS``).

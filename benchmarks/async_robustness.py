@@ -1,0 +1,65 @@
+"""AsyncPS against Single, seed by seed: validation accuracy of the three model kinds with the default options.
+
+For every model kind (2+2, 3+3, resnet), every seed and 2 and 4 workers (1 parameter server), the same model
+(same seed: same initial weights, same shuffles) trains for ``--epochs`` epochs on the 4,000-image training
+part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then given the strategy
+(as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per model kind and
+worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's AsyncPS
+accuracy within 3 points of Single's for the same seed, and no run below 0.5.
+
+Run: python benchmarks/async_robustness.py [--seeds 5] [--epochs 3] [--models 2+2,3+3,resnet]
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+
+import keras_cnnpar as cnnpar  # noqa: E402
+
+print(cnnpar.hardware.describe(), flush=True)
+
+WORKERS = (2, 4)
+
+
+def accuracy(kind, seed, strategy, epochs, train, validation):
+    keras.utils.set_random_seed(seed)
+    model = cnnpar.models.cnn(kind)
+    history = model.fit(train.x, train.y, batch_size=64, epochs=epochs, validation_data=(validation.x, validation.y),
+                        strategy=strategy, results_dir=None, verbose=0)
+    return history.history["val_accuracy"][-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--models", default="2+2,3+3,resnet")
+    args = parser.parse_args()
+    train, validation = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
+    print(f"{len(train)} training images, batch 64, {args.epochs} epochs, 1 parameter server, default options")
+    print(f"{'model':7s} {'seed':>4s} {'single':>7s} " + " ".join(f"{f'async({w})':>9s}" for w in WORKERS))
+    summary = []
+    for kind in args.models.split(","):
+        rows = []
+        for seed in range(1, args.seeds + 1):
+            single = accuracy(kind, seed, cnnpar.Single(), args.epochs, train, validation)
+            asynchronous = [accuracy(kind, seed, cnnpar.AsyncPS(workers=w, ps=1, checkpoint_dir=None), args.epochs,
+                                     train, validation) for w in WORKERS]
+            rows.append((single, asynchronous))
+            print(f"{kind:7s} {seed:4d} {single:7.3f} " + " ".join(f"{a:9.3f}" for a in asynchronous), flush=True)
+        for index, workers in enumerate(WORKERS):
+            values = [a[index] for _, a in rows]
+            worst_gap = max(single - a[index] for single, a in rows)
+            summary.append((kind, workers, min(values), max(values) - min(values), worst_gap))
+    print(f"\n{'model':7s} {'workers':>7s} {'min':>6s} {'spread':>6s} {'worst gap to single':>20s}  verdict")
+    for kind, workers, lowest, spread, worst_gap in summary:
+        verdict = "pass" if worst_gap <= 0.03 and lowest >= 0.5 else "FAIL"
+        print(f"{kind:7s} {workers:7d} {lowest:6.3f} {spread:6.3f} {worst_gap * 100:17.1f} pt  {verdict}")
+    print("targets: every seed within 3 points of Single's, no run below 0.5")
+
+
+if __name__ == "__main__":
+    main()
