@@ -15,9 +15,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
+import keras
 
-import keras_cnnpar as cnnpar  # noqa: E402
+import keras_cnnpar as cnnpar
 
 print(cnnpar.hardware.describe(), flush=True)
 

@@ -6,6 +6,7 @@ The coordinator is a process of its own whichever comes first, the model or the
 strategy, so these fits run in the test process itself.
 """
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -41,10 +42,8 @@ def socket_inodes(pid):
     """The inodes of the sockets process ``pid`` holds open."""
     links = []
     for entry in Path(f"/proc/{pid}/fd").iterdir():
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile
             links.append(os.readlink(entry))
-        except OSError:  # closed meanwhile
-            pass
     return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
 
 
@@ -65,11 +64,9 @@ class Watcher(threading.Thread):
     def run(self):
         while not self.done.is_set():
             for folder in self.temporary.glob("cnnpar-async-*"):
-                try:
+                with contextlib.suppress(OSError):  # a file removed while it was measured
                     self.largest = max(self.largest, data_bytes(folder))
                     self.most_epoch_folders = max(self.most_epoch_folders, len(list(folder.glob("train-*"))))
-                except OSError:  # a file removed while it was measured
-                    pass
             coordinators = [pid for pid in descendants(os.getpid())
                             if b"async_remote" in Path(f"/proc/{pid}/cmdline").read_bytes()]
             for pid in coordinators:
