@@ -7,7 +7,7 @@ hits them alike. Its figure is the median of the per-epoch images/s in its CSV
 The workers share this machine's cores: the launcher gives each worker
 TF_NUM_INTRAOP_THREADS=cores/workers and TF_NUM_INTEROP_THREADS=2; "TF's own
 thread pools" sets both to 0, so each worker sizes its pools for every core.
-AsyncPS runs its in-process cluster (target on 2 cores: >= 0.8x Single).
+AsyncPS runs its local cluster (target on 2 cores: >= 0.8x Single).
 
 Run: python benchmarks/process_throughput.py [--epochs 4] [--rounds 2]
 """

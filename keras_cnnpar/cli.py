@@ -63,10 +63,10 @@ def main():
               help="For hybrid: replicas on the batch axis x shards on the channel axis, e.g. 2x2 (default).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="For multi-worker: start this many worker processes on this machine (without it, this process "
-                   "is one worker of the cluster in TF_CONFIG). For async-ps: workers of the in-process cluster "
+                   "is one worker of the cluster in TF_CONFIG). For async-ps: workers of the local cluster "
                    "(default 2).")
 @click.option("--ps", type=click.IntRange(min=1), default=None,
-              help="For async-ps: parameter servers of the in-process cluster (default 1).")
+              help="For async-ps: parameter servers of the local cluster (default 1).")
 @click.option("--cluster", "cluster_spec", type=click.Path(dir_okay=False), default=None,
               help="For async-ps: JSON spec of running servers, as `cnnpar cluster start` writes it. "
                    "For multi-worker: a TF_CONFIG JSON file instead of the variable.")

@@ -276,19 +276,23 @@ def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
         return [child for child in descendants(pid)
                 if b"async_remote" in Path(f"/proc/{child}/cmdline").read_bytes()] if alive(pid) else []
 
-    with processes([[sys.executable, "-c", script]], tmp_path, [ENV]) as (user,):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with processes([[sys.executable, "-c", script]], tmp_path, [{**ENV, "TMPDIR": str(temporary)}]) as (user,):
         deadline = time.monotonic() + 120
         while not coordinators(user.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(10)  # the coordinator starts its servers (printing to its stdout) and trains
         children = descendants(user.pid)
         assert coordinators(user.pid)
+        assert list(temporary.glob("cnnpar-async-*/train-*"))  # an epoch's batches are there
         os.kill(user.pid, signal.SIGKILL)
         user.wait(timeout=30)
         deadline = time.monotonic() + 5
         while any(alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in children)  # the coordinator died with the process that started it
+    assert list(temporary.glob("cnnpar-async-*")) == []  # and removed its folder of batches
 
 
 def test_cluster_start_killed_while_starting_leaves_no_server_and_stop_cleans_up(tmp_path):

@@ -54,11 +54,13 @@ class AsyncPS(CheckpointedStrategy):
     of the steps' losses. Smooth the loss curve (e.g. a moving average)
     before comparing it with a synchronous run.
 
-    ``cluster=None`` starts a local in-process cluster of TensorFlow gRPC
-    servers on loopback (each worker with ``inter_op_parallelism_threads >=
-    workers + 1``, without which the cluster hangs). Otherwise the strategy
-    connects to running servers, e.g. from ``cnnpar cluster start``; servers
-    that cannot be reached within ``timeout`` seconds are an error.
+    ``cluster=None`` starts a local cluster of TensorFlow gRPC servers on
+    loopback, in the run's coordinator process (each worker with
+    ``inter_op_parallelism_threads >= workers + 1``, without which the cluster
+    hangs), in a private network namespace where Linux allows one. Otherwise
+    the coordinator connects to running servers, e.g. from ``cnnpar cluster
+    start``; servers that cannot be reached within ``timeout`` seconds are an
+    error, raised when the strategy is created.
 
     **BatchNormalization.** Each worker normalizes with its own batch's
     statistics, and its moving averages mix the statistics of stale weight
@@ -76,15 +78,13 @@ class AsyncPS(CheckpointedStrategy):
     ends the run with ``PeerLost``, naming it, and ``resume=True`` continues
     from the last checkpoint once the servers are back.
 
-    Created at the top of the program (before TensorFlow runs in the
-    process), the strategy connects this process to the cluster as its
-    coordinator, for the rest of the process. Created later (a model already
-    exists, as with ``fit(strategy="async-ps")``), it leaves this process out
-    of the cluster and trains in a coordinator process of its own
-    (:mod:`keras_cnnpar.strategies.async_remote`), which joining a cluster
-    after models exist requires.
+    The strategy is a configuration and never joins the cluster itself: every
+    run, whether the model or the strategy was created first, is trained by a
+    coordinator process of its own (:mod:`keras_cnnpar.strategies.async_remote`),
+    because joining a cluster restarts TensorFlow's runtime, which leaves the
+    models built before unreadable.
 
-    Example (in-process cluster):
+    Example (a local cluster):
 
     >>> import keras_cnnpar as cnnpar
     >>> strategy = cnnpar.AsyncPS(workers=2, ps=1)    # doctest: +SKIP
@@ -94,13 +94,13 @@ class AsyncPS(CheckpointedStrategy):
     ...                     strategy=strategy)        # doctest: +SKIP
 
     Args:
-        workers: worker tasks of the in-process cluster (ignored with ``cluster``).
-        ps: parameter servers of the in-process cluster (ignored with ``cluster``).
-        cluster: None for an in-process cluster; else a ``TF_CONFIG``-style
+        workers: worker tasks of the local cluster (ignored with ``cluster``).
+        ps: parameter servers of the local cluster (ignored with ``cluster``).
+        cluster: None for a local cluster; else a ``TF_CONFIG``-style
             dict, a jobs map, a ``tf.train.ClusterSpec`` or the path of a JSON
             file, with ``worker`` and ``ps`` jobs, and optionally a ``chief``
-            job: this process, the coordinator, at that address.
-        coordinator: ``"HOST:PORT"`` this process announces to the cluster as
+            job: the coordinator process, at that address.
+        coordinator: ``"HOST:PORT"`` the coordinator process announces to the cluster as
             its coordinator when the spec has no ``chief`` task; the tasks must
             reach it (they pull the checkpoint's values from it). Default: this
             host's address on the interface that routes to the cluster.
