@@ -149,7 +149,7 @@ class AsyncPS(CheckpointedStrategy):
                          "steps_per_execution": steps_per_execution, "timeout": timeout,
                          "checkpoint_dir": self.checkpoint_dir, "precise_bn": precise_bn}
         if self.spec is not None:
-            network.wait_reachable(self.spec, self.timeout)
+            network.wait_reachable(_servers(self.spec), self.timeout)
 
     def options(self):
         """The options the coordinator process creates this strategy with; the rate arrives already scaled."""
@@ -190,7 +190,7 @@ class AsyncPS(CheckpointedStrategy):
         warning.
         """
         cluster = self.spec or _local_cluster(self.workers, self.ps)
-        network.wait_reachable(cluster, self.timeout)
+        network.wait_reachable(_servers(cluster), self.timeout)
         chief = cluster_lib.coordinator_address(cluster, self.coordinator_address)
         if not private_network:
             ports = [address.rpartition(":")[2] for addresses in cluster.values() for address in addresses]
@@ -373,6 +373,11 @@ class _AsyncLoop:
             return tf.stack([tf_strategy.run(one_step, args=(next(iterator),)) for _ in range(size)])
 
         return group
+
+
+def _servers(spec):
+    """The jobs of ``spec`` whose servers must answer before a coordinator joins: all but its own ``chief``."""
+    return {job: tasks for job, tasks in spec.items() if job != "chief"}
 
 
 def _bytes_per_task(variables):
