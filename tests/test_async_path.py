@@ -47,6 +47,14 @@ def socket_inodes(pid):
     return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
 
 
+def command_line(pid):
+    """The command line of process ``pid``; empty once it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def data_bytes(folder):
     """The bytes of the batches in a coordinator's folder (the epochs' and the validation's; not the model files)."""
     return sum(path.stat().st_size for data in [*folder.glob("train-*"), *folder.glob("validation")]
@@ -67,8 +75,7 @@ class Watcher(threading.Thread):
                 with contextlib.suppress(OSError):  # a file removed while it was measured
                     self.largest = max(self.largest, data_bytes(folder))
                     self.most_epoch_folders = max(self.most_epoch_folders, len(list(folder.glob("train-*"))))
-            coordinators = [pid for pid in descendants(os.getpid())
-                            if b"async_remote" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            coordinators = [pid for pid in descendants(os.getpid()) if b"async_remote" in command_line(pid)]
             for pid in coordinators:
                 try:
                     own, here = listening_inodes(pid), listening_inodes(os.getpid())

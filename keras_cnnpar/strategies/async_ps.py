@@ -192,11 +192,11 @@ class AsyncPS(CheckpointedStrategy):
         cluster = self.spec or _local_cluster(self.workers, self.ps)
         network.wait_reachable(_servers(cluster), self.timeout)
         chief = cluster_lib.coordinator_address(cluster, self.coordinator_address)
-        if not private_network:
-            ports = [address.rpartition(":")[2] for addresses in cluster.values() for address in addresses]
+        if not private_network:  # the servers this process started listen on every interface, and so does it
+            started = [] if self.spec else [address for addresses in cluster.values() for address in addresses]
             what = "local cluster and its coordinator" if self.spec is None else "coordinator of this run"
-            listed = [*ports, chief.rpartition(":")[2]] if self.spec is None else [chief.rpartition(":")[2]]
-            print(network.exposure_warning(what, listed), file=sys.stderr, flush=True)
+            ports = [address.rpartition(":")[2] for address in [*started, chief]]
+            print(network.exposure_warning(what, ports), file=sys.stderr, flush=True)
         tf_strategy, coordinator = _connect(json.dumps({**cluster, "chief": [chief]}, sort_keys=True))
         _JOINED["cluster"] = _Connection(cluster, tf_strategy, coordinator)
 
@@ -204,10 +204,9 @@ class AsyncPS(CheckpointedStrategy):
         """In the user's process: the run that drives a coordinator process. In the coordinator process (after
         :meth:`join`): the run that trains, with the prepared model's variables on the parameter servers."""
         settings = settings or base.RunSettings()
-        connection = _JOINED.get("cluster")
+        prepared, connection = self.prepared_copy(model, settings), _JOINED.get("cluster")
         if connection is None:
-            return async_remote.CoordinatorProcessRun(self, settings, self.prepared_copy(model, settings))
-        prepared = self.prepared_copy(model, settings)
+            return async_remote.CoordinatorProcessRun(self, settings, prepared)
         self.build_optimizer(prepared)
         checkpoint = None
         if self.checkpoint_dir is not None:

@@ -71,10 +71,8 @@ class CoordinatorProcessRun(Run):
         self.child, self.trained = None, None
         try:
             model.save(self.folder / "model.keras")
-            (self.folder / "run.json").write_text(json.dumps({
-                "options": strategy.options(),
-                "settings": {"precision": settings.precision, "fused_optimizer": settings.fused_optimizer,
-                             "resume": settings.resume, "record": dict(settings.record)}}))
+            (self.folder / "run.json").write_text(json.dumps({"options": strategy.options(),
+                                                              "settings": settings.as_dict()}))
             self.child = _start_coordinator(self.folder, private_network=strategy.spec is None)
             ready = json.loads(self._expect(READY))
         except BaseException:

@@ -111,6 +111,15 @@ class RunSettings:
     def __post_init__(self):
         object.__setattr__(self, "record", types.MappingProxyType(dict(self.record)))
 
+    def as_dict(self):
+        """The settings as plain values (JSON-ready); ``RunSettings(**settings.as_dict())`` is the same value.
+
+        >>> RunSettings(record={"model": "m"}).as_dict()["record"]
+        {'model': 'm'}
+        """
+        return {**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)},
+                "record": dict(self.record)}
+
 
 class _Configuration(type):
     """Metaclass of strategies: an instance is read-only once its constructor has returned."""
