@@ -11,7 +11,10 @@ merge) of a sharded and a whole tensor first cuts the whole one into shards
 (a re-layout without communication); ``Concatenate`` gathers its inputs'
 channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
 after it, which then holds its kernel as ``(h, w, c, units)`` sharded on
-``c``. The output of the model always has whole channels.
+``c``. The output of the model always has whole channels. Every layer's
+output is pinned to its layout (``dtensor.relayout``): left to DTensor's
+layout propagation, a sharded layout reached the
+moments of a BatchNormalization on whole channels, and the step failed.
 
 Example:
 
@@ -190,11 +193,13 @@ class _Tensor(typing.NamedTuple):
 
 
 class _Node(typing.NamedTuple):
-    """One layer call: the module that runs it (None: pass the input through), its input and output keys."""
+    """One layer call: the module that runs it (None: pass the input through), its input and output keys, and
+    whether its output's channels are sharded."""
 
     op: tf.Module | None
     inputs: tuple
     output: object
+    sharded: bool
 
 
 def layer_graph(model):
@@ -245,7 +250,7 @@ class ShardedModel(tf.Module):
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
             op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs])
-            self.nodes.append(_Node(op, inputs, output))
+            self.nodes.append(_Node(op, inputs, output, tensors[output].sharded))
             converted[layer.name] = op
         #: The modules with weights, in the Keras model's layer order (its weight order).
         self.weighted = [converted[layer.name] for layer in model.layers
@@ -331,7 +336,11 @@ class ShardedModel(tf.Module):
         values = {self.input_key: dtensor.relayout(x, activation_layout(self.mesh, x.shape))}
         for node in self.nodes:
             inputs = [values[key] for key in node.inputs]
-            values[node.output] = inputs[0] if node.op is None else node.op(*inputs, training=training)
+            if node.op is None:
+                values[node.output] = inputs[0]
+                continue
+            y = node.op(*inputs, training=training)
+            values[node.output] = dtensor.relayout(y, activation_layout(self.mesh, y.shape, node.sharded))
         if training:
             self.step.assign_add(1)
         y = values[self.output_key]

@@ -1,0 +1,127 @@
+"""Tensor parallel on functional CNNs it was not written for: a corpus of graphs, one step each against Single.
+
+Each graph puts the supported layers in other positions: BatchNormalization on
+the images, after a convolution with or without bias, after a Dense; merges of
+sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
+``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
+convolutions; global pooling with and without ``keepdims``; Dense logits
+without a softmax. One SGD step under ``ChannelSharded(2)`` and
+``Hybrid(2, 2)`` must give Single's weights, BatchNormalization's moving
+statistics included: within 1e-9 in float64 (the same arithmetic, summed in
+another order) and 1e-4 in float32.
+"""
+
+import functools
+
+import keras
+import numpy as np
+import pytest
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar import rebuild
+from tests.helpers import max_difference
+
+L = keras.layers
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
+
+
+def residual_strided(x):
+    """BN after a convolution without bias, a residual Add of a sharded and a whole tensor, a strided convolution,
+    global average pooling, Dense logits (the graph of the issue that found the BN moments crash)."""
+    x = L.Conv2D(8, 3, padding="same", use_bias=False)(x)
+    x = L.ReLU()(L.BatchNormalization()(x))
+    residual = L.BatchNormalization()(L.Conv2D(8, 3, padding="same")(x))
+    x = L.ReLU()(L.Add()([x, residual]))
+    x = L.MaxPooling2D()(x)
+    x = L.Conv2D(16, 3, strides=2, padding="same")(x)
+    x = L.Activation("relu")(L.BatchNormalization()(x))
+    return L.Dense(10)(L.GlobalAveragePooling2D()(x))
+
+
+def branches_averaged(x):
+    """Two concatenated branches, BN, average pooling, an ``Average`` of a whole and a sharded tensor, Flatten and
+    a Dense head."""
+    a = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    b = L.Conv2D(8, 5, padding="same", activation="relu")(x)
+    x = L.AveragePooling2D(2)(L.BatchNormalization()(L.Concatenate()([a, b])))
+    x = L.Average()([x, L.Conv2D(16, 3, padding="same")(x)])
+    return L.Dense(10)(L.Flatten()(x))
+
+
+def normalized_images(x):
+    """BN on the images, padding, a strided valid convolution, 1x1 convolutions, a ``Multiply`` and a ``Maximum``
+    merge, same-padded pooling after a merge, BN without center, global max pooling, BN after a Dense, dropout."""
+    x = L.ZeroPadding2D(1)(L.BatchNormalization()(x))
+    x = L.Conv2D(8, 3, strides=2, activation="relu")(x)
+    gate = L.Conv2D(8, 1, activation="relu")(L.Conv2D(8, 1)(x))
+    x = L.MaxPooling2D(2, padding="same")(L.Multiply()([x, gate]))
+    x = L.BatchNormalization(center=False)(x)
+    x = L.GlobalMaxPooling2D()(L.Maximum()([x, L.Conv2D(8, 3, padding="same")(x)]))
+    x = L.Dropout(0.0)(L.BatchNormalization()(L.Dense(32)(x)))
+    return L.Dense(10)(x)
+
+
+def subtracted(x):
+    """A strided 5x5 convolution, BN without scale, a ``Subtract`` of a 1x1 convolution, pooling after the merge,
+    a valid convolution, LeakyReLU, Flatten into two Dense layers."""
+    x = L.Conv2D(16, 5, strides=2, padding="same", activation="relu")(x)
+    x = L.BatchNormalization(scale=False)(L.Conv2D(16, 3, padding="same", use_bias=False)(x))
+    x = L.AveragePooling2D(2)(L.Subtract()([x, L.Conv2D(16, 1, use_bias=False)(x)]))
+    x = L.LeakyReLU()(L.Conv2D(8, 3)(x))
+    return L.Dense(10)(L.Dense(16, activation="relu")(L.Flatten()(x)))
+
+
+def dense_block(x):
+    """A densely connected block: an ``Add`` of three tensors of both layouts, BN, a concatenation, pooling, a
+    strided 1x1 convolution, global pooling with ``keepdims`` and a Flatten."""
+    a = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    b = L.Conv2D(8, 3, padding="same", activation="relu")(a)
+    c = L.Conv2D(8, 3, padding="same", activation="relu")(b)
+    x = L.BatchNormalization()(L.Add()([a, b, c]))
+    x = L.MaxPooling2D(2)(L.Concatenate()([x, b]))
+    x = L.ReLU()(L.BatchNormalization()(L.Conv2D(16, 1, strides=2)(x)))
+    return L.Dense(10)(L.Flatten()(L.GlobalAveragePooling2D(keepdims=True)(x)))
+
+
+CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block]
+
+
+@functools.cache
+def model_of(build):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 1))
+    return keras.Model(inputs, build(inputs), name=build.__name__)
+
+
+@functools.cache
+def batch():
+    """Eight images whose pixels are float32 values, so a float64 model's float32 ``Input`` loses nothing."""
+    rng = np.random.default_rng(0)
+    return rng.random((8, 16, 16, 1), dtype="float32"), rng.integers(0, 10, 8)
+
+
+def after_one_step(build, strategy, dtype):
+    """The weights of ``build``'s model, copied in ``dtype``, after one SGD step on ``batch()`` under ``strategy``."""
+    original = model_of(build)
+    model = rebuild.clone_with(original, lambda layer, config: config.update(dtype=dtype))
+    model.set_weights([w.astype(dtype) for w in original.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = batch()
+    cnnpar.fit(model, x.astype(dtype), y, strategy=strategy, batch_size=len(x), shuffle=False, verbose=0,
+               results_dir=None)
+    return model.get_weights()
+
+
+@functools.cache
+def single_step(build, dtype):
+    return after_one_step(build, "single", dtype)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
+@pytest.mark.parametrize("build", CORPUS, ids=lambda build: build.__name__)
+def test_one_step_of_a_functional_cnn_is_single_s(build, strategy, dtype):
+    expected = single_step(build, dtype)
+    assert max_difference(expected, model_of(build).get_weights()) > 1e-3  # the step moved the weights
+    assert max_difference(after_one_step(build, strategy, dtype), expected) < TOLERANCE[dtype]
