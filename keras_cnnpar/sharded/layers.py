@@ -43,6 +43,8 @@ from tensorflow.experimental import dtensor
 
 UNSHARDED = dtensor.UNSHARDED
 MODES = ("column", "row")
+#: The largest output (height x width) a row-mode convolution computes with ``conv_as_filter_gradient``.
+SWAPPED_MAX_OUTPUT_AREA = 14 * 14
 #: Activations that mix the channels, so they run on whole channels.
 CHANNEL_MIXING = {"softmax", "log_softmax"}
 
@@ -198,12 +200,25 @@ class ChannelShardedConv2D(ShardedLayer):
         self.input_gradient = True
         super().__init__(layer, mesh, mode, tuple(layer.kernel.shape))
 
+    def swaps_roles(self, padded_shape):
+        """Whether the convolution of a padded input of ``padded_shape`` runs as ``conv_as_filter_gradient``
+        (else ``conv_as_matmul``), by the rule measured in docs/benchmarks.md: in row mode, at stride 1, with
+        outputs of at most 14x14, on a mesh without a ``"batch"`` axis (DTensor refuses that op with a sharded
+        batch, which the swap makes its channels)."""
+        kh, kw = self.kernel.shape[:2]
+        area = (padded_shape[1] - kh + 1) * (padded_shape[2] - kw + 1)
+        return self.mode == "row" and self.strides == (1, 1) and "batch" not in self.mesh.dim_names \
+            and area <= SWAPPED_MAX_OUTPUT_AREA
+
     def __call__(self, x, training=False):
         kh, kw = self.kernel.shape[:2]
         x = tf.pad(tf.cast(x, self.compute_dtype),
                    [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
         kernel = tf.cast(self.kernel.read_value(), self.compute_dtype)
-        y = conv_as_matmul(x, kernel, self.strides, self.input_gradient)
+        if self.swaps_roles(x.shape):
+            y = conv_as_filter_gradient(x, kernel)
+        else:
+            y = conv_as_matmul(x, kernel, self.strides, self.input_gradient)
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
 
@@ -372,6 +387,29 @@ def windows(x, window, strides):
     (kh, kw), (sh, sw) = window, strides
     oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
+
+
+def conv_as_filter_gradient(x, kernel):
+    """Valid stride-1 convolution of padded ``x`` (NHWC) with ``kernel``, as TensorFlow's kernel-gradient op with
+    the roles swapped: the input channels are its batch, the images' batch its channels.
+
+    ``Conv2DBackpropFilter`` sums over its batch axis. DTensor accepts it with
+    that axis sharded and all-reduces the partial sums; with the input
+    channels there, that is exactly row mode's reduction, and the op's own
+    gradients (a convolution and ``Conv2DBackpropInput``) are batch-parallel
+    too. It runs on TensorFlow's convolution kernels instead of im2col.
+
+    >>> import numpy as np, tensorflow as tf
+    >>> x, k = tf.random.normal((2, 9, 9, 3)), tf.random.normal((3, 3, 3, 4))
+    >>> bool(np.allclose(conv_as_filter_gradient(x, k), tf.nn.conv2d(x, k, 1, "VALID"), atol=1e-4))
+    True
+    """
+    batch, height, width, _ = x.shape
+    kh, kw, _, cout = kernel.shape
+    y = tf.raw_ops.Conv2DBackpropFilter(
+        input=tf.transpose(x, [3, 1, 2, 0]), filter_sizes=[height - kh + 1, width - kw + 1, batch, cout],
+        out_backprop=tf.transpose(kernel, [2, 0, 1, 3]), strides=[1, 1, 1, 1], padding="VALID")
+    return tf.transpose(y, [2, 0, 1, 3])
 
 
 def conv_as_matmul(x, kernel, strides=(1, 1), input_gradient=True):

@@ -64,27 +64,40 @@ SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "MaxPooling2D", "AveragePo
 
 
 class Pooling(tf.Module):
-    """``MaxPooling2D`` or ``AveragePooling2D`` as the maximum or mean of the window's strided slices."""
+    """``MaxPooling2D`` or ``AveragePooling2D``, in the fastest form DTensor accepts for the input's layout.
 
-    def __init__(self, layer):
+    ``MaxPooling2D`` on whole channels runs TensorFlow's own pooling. DTensor
+    refuses sharded channels there (and average pooling's gradient anywhere),
+    so otherwise a window that tiles the image (window = strides, no padding
+    left over) is a reshape and a reduction, and any other window the maximum
+    or mean of its strided slices.
+    """
+
+    def __init__(self, layer, channels_sharded):
         super().__init__(name=layer.name)
         self.window, self.strides = tuple(layer.pool_size), tuple(layer.strides)
         self.padding = layer.padding
-        if self.padding != "valid" and not isinstance(layer, keras.layers.MaxPooling2D):
+        self.max = isinstance(layer, keras.layers.MaxPooling2D)
+        if self.padding != "valid" and not self.max:
             raise ValueError(f"channel sharding supports AveragePooling2D with padding='valid' only; layer "
                              f"{layer.name!r} has padding={layer.padding!r}. Received: padding={layer.padding!r}")
-        self.reduce = tf.math.maximum if isinstance(layer, keras.layers.MaxPooling2D) else tf.math.add
-        self.mean = not isinstance(layer, keras.layers.MaxPooling2D)
+        tiled = self.window == self.strides and not any(n % w for n, w in zip(layer.input.shape[1:3], self.window))
+        native = self.max and not channels_sharded  # DTensor has no layout rule for AvgPoolGrad
+        self.form = "native" if native else "tiles" if tiled else "slices"
 
     def __call__(self, x, training=False):
+        if self.form == "native":
+            return tf.nn.max_pool2d(x, self.window, self.strides, self.padding.upper())
+        if self.form == "tiles":
+            (h, w), (kh, kw) = x.shape[1:3], self.window
+            tiles = tf.reshape(x, [-1, h // kh, kh, w // kw, kw, x.shape[-1]])
+            return (tf.reduce_max if self.max else tf.reduce_mean)(tiles, axis=[2, 4])
         pads = same_padding(x.shape[1:3], self.window, self.strides, self.padding)
         if any(p for pair in pads for p in pair):
             x = tf.pad(x, [[0, 0], *pads, [0, 0]], constant_values=-np.inf)
         slices = windows(x, self.window, self.strides)
-        out = slices[0]
-        for piece in slices[1:]:
-            out = self.reduce(out, piece)
-        return out / len(slices) if self.mean else out
+        out = functools.reduce(tf.math.maximum if self.max else tf.math.add, slices)
+        return out if self.max else out / len(slices)
 
 
 class Padding(tf.Module):
@@ -286,14 +299,14 @@ class ShardedModel(tf.Module):
             return Concatenate(layer, self.mesh), _Tensor(False, None, differentiable)
         if kind == "Flatten" and first.sharded:
             return None, _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
-        op = self._pass_through(layer, kind, index)
+        op = self._pass_through(layer, kind, index, first.sharded)
         sharded = first.sharded and not (isinstance(op, Elementwise) and op.mixing)
         return op, _Tensor(sharded, first.folded, differentiable)
 
-    def _pass_through(self, layer, kind, index):
-        """The module of a layer without weights that keeps its input's channel layout."""
+    def _pass_through(self, layer, kind, index, sharded):
+        """The module of a layer without weights that keeps its input's channel layout (``sharded`` or not)."""
         if kind in ("MaxPooling2D", "AveragePooling2D"):
-            return Pooling(layer)
+            return Pooling(layer, sharded)
         if kind in ("GlobalAveragePooling2D", "GlobalMaxPooling2D"):
             return GlobalPooling(layer)
         if kind == "ZeroPadding2D":
