@@ -127,10 +127,10 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     assert not any(servers._is_server(pid, config) for job in pids.values() for pid in job)
 
 
-def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path):
+def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path, small_csv):
     spec, results = tmp_path / "cluster.json", tmp_path / "results"
     command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "3",
-                             "--verbose", "2", "--results", "results")
+                             "--data", str(small_csv), "--batch-size", "32", "--verbose", "2", "--results", "results")
     start = cnnpar_command("cluster", "start", "--spec", str(spec))
     stop = cnnpar_command("cluster", "stop", "--spec", str(spec))
     try:

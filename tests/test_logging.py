@@ -142,10 +142,10 @@ def test_runs_csv_and_the_sweep_summary_agree_on_speedup(small_cnn, tmp_path, tr
 
 
 @pytest.mark.slow
-def test_no_log_writes_no_file_at_all(tmp_path):
+def test_no_log_writes_no_file_at_all(tmp_path, small_csv):
     result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--no-log", "--epochs", "1",
-                             "--strategy", "async-ps", "--model", "3+3", "--verbose", "0"], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=300)
+                             "--strategy", "async-ps", "--model", "3+3", "--data", str(small_csv), "--verbose", "0"],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.rglob("*")) == []
 

@@ -108,16 +108,16 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
 
 
 @pytest.mark.parametrize("target", ["launcher", "worker 1"])
-def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, target):
+def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
     results = tmp_path / "results"
     # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
     another_run = folder / "workertemp_1" / "another_run"  # where TensorFlow would put a worker's temporary copy
     another_run.mkdir(parents=True)
-    command = cnnpar_train("--workers", "2", "--epochs", "3", "--results", "results",
+    command = cnnpar_train("--workers", "2", "--epochs", "6", "--data", str(small_csv), "--results", "results",
                            *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 2 more are to come
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 5 more (seconds) are to come
         os.kill(launcher.pid if target == "launcher" else worker_pid(launcher, 1), signal.SIGTERM)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
@@ -133,7 +133,7 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
+    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3, 4, 5, 6]
     shown = f"results/checkpoints/{RUN}" if target == "launcher" else str(checkpoint)
     assert f"layout resumed from {shown} after epoch {done[-1]}" in (results / "results.log").read_text()
     assert not folder.exists() and not (results / "checkpoints").exists()
