@@ -9,10 +9,14 @@ input channels: it takes sharded channels, each device computes a partial
 sum, and DTensor all-reduces them into whole channels. Alternating the two,
 as Megatron pairs its layers, needs no all-gather between layers.
 
-DTensor's own convolution refuses a sharded filter and its pooling refuses
-sharded channels, so the convolution is a matmul over the stacked kernel
-windows (im2col) with a hand-written gradient, and pooling is an elementwise
-maximum or mean over the window's strided slices. Both work on any layout.
+DTensor's own convolution refuses a sharded filter; it accepts a replicated
+filter with a sharded batch, and so do its gradient ops. A sharded
+convolution therefore runs in one of three forms (``ChannelShardedConv2D.
+formulation``): TensorFlow's convolution on each device's slice of the batch
+with the kernel gathered for the step (``conv_on_split_batch``), the kernel
+gradient op with the roles of batch and channels swapped
+(``conv_as_filter_gradient``), or a matmul over the stacked kernel windows
+(im2col, ``conv_as_matmul``), which works on any layout.
 
 These are ``tf.Module``s, not Keras layers: Keras 3 cannot hold DTensor
 variables. Each one is built from its Keras twin, whose weights it takes, and
@@ -43,8 +47,6 @@ from tensorflow.experimental import dtensor
 
 UNSHARDED = dtensor.UNSHARDED
 MODES = ("column", "row")
-#: The largest output (height x width) a row-mode convolution computes with ``conv_as_filter_gradient``.
-SWAPPED_MAX_OUTPUT_AREA = 14 * 14
 #: Activations that mix the channels, so they run on whole channels.
 CHANNEL_MIXING = {"softmax", "log_softmax"}
 
@@ -163,10 +165,8 @@ class ChannelShardedConv2D(ShardedLayer):
 
     ``mode="column"`` shards the output channels (input channels whole,
     output sharded); ``mode="row"`` shards the input channels (input sharded,
-    partial sums all-reduced into whole output channels). The convolution is
-    one matmul of the stacked ``kh*kw`` shifted windows with the kernel, with a
-    hand-written gradient (``conv_as_matmul``); a first layer skips the
-    input's.
+    whole output channels). The kernel stays sharded between steps; how a step
+    computes the convolution is ``formulation``'s choice.
 
     Example:
 
@@ -200,25 +200,35 @@ class ChannelShardedConv2D(ShardedLayer):
         self.input_gradient = True
         super().__init__(layer, mesh, mode, tuple(layer.kernel.shape))
 
-    def swaps_roles(self, padded_shape):
-        """Whether the convolution of a padded input of ``padded_shape`` runs as ``conv_as_filter_gradient``
-        (else ``conv_as_matmul``), by the rule measured in docs/benchmarks.md: in row mode, at stride 1, with
-        outputs of at most 14x14, on a mesh without a ``"batch"`` axis (DTensor refuses that op with a sharded
-        batch, which the swap makes its channels)."""
+    def formulation(self, padded_shape):
+        """How the convolution of a padded input of ``padded_shape`` runs, by the rules measured in
+        docs/benchmarks.md: ``"split batch"`` (``conv_on_split_batch``) in column mode and for row-mode outputs
+        larger than 14x14, ``"filter gradient"`` (``conv_as_filter_gradient``) for row-mode, stride-1 outputs
+        larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``). The first two need a mesh without a
+        ``"batch"`` axis (DTensor shards a tensor axis over one mesh axis, and these put ``"model"`` on the
+        batch), the first a batch the shards divide."""
         kh, kw = self.kernel.shape[:2]
-        area = (padded_shape[1] - kh + 1) * (padded_shape[2] - kw + 1)
-        return self.mode == "row" and self.strides == (1, 1) and "batch" not in self.mesh.dim_names \
-            and area <= SWAPPED_MAX_OUTPUT_AREA
+        sh, sw = self.strides
+        area = ((padded_shape[1] - kh) // sh + 1) * ((padded_shape[2] - kw) // sw + 1)
+        if "batch" in self.mesh.dim_names:
+            return "im2col"
+        if padded_shape[0] % self.mesh.dim_size("model") == 0 and (self.mode == "column" or area > 14 * 14):
+            return "split batch"
+        if self.mode == "row" and self.strides == (1, 1) and area > 7 * 7:
+            return "filter gradient"
+        return "im2col"
 
     def __call__(self, x, training=False):
-        kh, kw = self.kernel.shape[:2]
-        x = tf.pad(tf.cast(x, self.compute_dtype),
-                   [[0, 0], *same_padding(x.shape[1:3], (kh, kw), self.strides, self.padding), [0, 0]])
+        pads = [[0, 0], *same_padding(x.shape[1:3], self.kernel.shape[:2], self.strides, self.padding), [0, 0]]
+        x = tf.cast(x, self.compute_dtype)
         kernel = tf.cast(self.kernel.read_value(), self.compute_dtype)
-        if self.swaps_roles(x.shape):
-            y = conv_as_filter_gradient(x, kernel)
+        formulation = self.formulation([n + sum(pad) for n, pad in zip(x.shape, pads)])
+        if formulation == "split batch":
+            y = conv_on_split_batch(x, kernel, self.mesh, self.strides, pads)
+        elif formulation == "filter gradient":
+            y = conv_as_filter_gradient(tf.pad(x, pads), kernel)
         else:
-            y = conv_as_matmul(x, kernel, self.strides, self.input_gradient)
+            y = conv_as_matmul(tf.pad(x, pads), kernel, self.strides, self.input_gradient)
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)
 
@@ -387,6 +397,21 @@ def windows(x, window, strides):
     (kh, kw), (sh, sw) = window, strides
     oh, ow = (x.shape[1] - kh) // sh + 1, (x.shape[2] - kw) // sw + 1
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
+
+
+def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None):
+    """Convolution of ``x`` (NHWC) padded by ``pads`` (``tf.pad``'s, default none) with ``kernel`` on a 1-D
+    ``"model"`` mesh, as TensorFlow's own convolution of each device's slice of the batch with the whole kernel.
+
+    The kernel (sharded at rest) is gathered for the step, as fully sharded
+    data parallel does; the batch is laid out over ``"model"``, which DTensor's
+    convolution accepts, and the kernel's gradient is all-reduced over it. The
+    caller lays the output out again (channels sharded or whole): an
+    all-to-all of activations, in place of im2col's ``kh*kw`` stacked windows.
+    """
+    whole = dtensor.relayout(kernel, dtensor.Layout.replicated(mesh, 4))
+    split = dtensor.relayout(x, dtensor.Layout(["model", UNSHARDED, UNSHARDED, UNSHARDED], mesh))
+    return tf.nn.conv2d(split if pads is None else tf.pad(split, pads), whole, strides, "VALID")
 
 
 def conv_as_filter_gradient(x, kernel):

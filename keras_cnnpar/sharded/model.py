@@ -66,14 +66,16 @@ SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "MaxPooling2D", "AveragePo
 class Pooling(tf.Module):
     """``MaxPooling2D`` or ``AveragePooling2D``, in the fastest form DTensor accepts for the input's layout.
 
-    ``MaxPooling2D`` on whole channels runs TensorFlow's own pooling. DTensor
-    refuses sharded channels there (and average pooling's gradient anywhere),
-    so otherwise a window that tiles the image (window = strides, no padding
-    left over) is a reshape and a reduction, and any other window the maximum
-    or mean of its strided slices.
+    DTensor runs TensorFlow's own max pooling on whole channels and on a
+    sharded batch, not on sharded channels, and has no layout rule for average
+    pooling's gradient. So max pooling of sharded channels re-lays the batch
+    over ``"model"`` for the native op and back (on a mesh without a
+    ``"batch"`` axis, when the shards divide the batch); otherwise a window that
+    tiles the image (window = strides) is a reshape and a reduction, and any
+    other window the maximum or mean of its strided slices (docs/benchmarks.md).
     """
 
-    def __init__(self, layer, channels_sharded):
+    def __init__(self, layer, mesh, channels_sharded):
         super().__init__(name=layer.name)
         self.window, self.strides = tuple(layer.pool_size), tuple(layer.strides)
         self.padding = layer.padding
@@ -81,14 +83,18 @@ class Pooling(tf.Module):
         if self.padding != "valid" and not self.max:
             raise ValueError(f"channel sharding supports AveragePooling2D with padding='valid' only; layer "
                              f"{layer.name!r} has padding={layer.padding!r}. Received: padding={layer.padding!r}")
-        tiled = self.window == self.strides and not any(n % w for n, w in zip(layer.input.shape[1:3], self.window))
-        native = self.max and not channels_sharded  # DTensor has no layout rule for AvgPoolGrad
-        self.form = "native" if native else "tiles" if tiled else "slices"
+        self.mesh, self.sharded = mesh, channels_sharded
+        self.tiled = self.window == self.strides and not any(
+            n % w for n, w in zip(layer.input.shape[1:3], self.window))
 
     def __call__(self, x, training=False):
-        if self.form == "native":
-            return tf.nn.max_pool2d(x, self.window, self.strides, self.padding.upper())
-        if self.form == "tiles":
+        if self.max and not self.sharded:
+            return self._native(x)
+        if self.max and "batch" not in self.mesh.dim_names and x.shape[0] % self.mesh.dim_size("model") == 0:
+            batch_sharded = dtensor.Layout(["model", *[dtensor.UNSHARDED] * 3], self.mesh)
+            y = self._native(dtensor.relayout(x, batch_sharded))
+            return dtensor.relayout(y, activation_layout(self.mesh, y.shape, channels_sharded=True))
+        if self.tiled:
             (h, w), (kh, kw) = x.shape[1:3], self.window
             tiles = tf.reshape(x, [-1, h // kh, kh, w // kw, kw, x.shape[-1]])
             return (tf.reduce_max if self.max else tf.reduce_mean)(tiles, axis=[2, 4])
@@ -98,6 +104,9 @@ class Pooling(tf.Module):
         slices = windows(x, self.window, self.strides)
         out = functools.reduce(tf.math.maximum if self.max else tf.math.add, slices)
         return out if self.max else out / len(slices)
+
+    def _native(self, x):
+        return tf.nn.max_pool2d(x, self.window, self.strides, self.padding.upper())
 
 
 class Padding(tf.Module):
@@ -306,7 +315,7 @@ class ShardedModel(tf.Module):
     def _pass_through(self, layer, kind, index, sharded):
         """The module of a layer without weights that keeps its input's channel layout (``sharded`` or not)."""
         if kind in ("MaxPooling2D", "AveragePooling2D"):
-            return Pooling(layer, sharded)
+            return Pooling(layer, self.mesh, sharded)
         if kind in ("GlobalAveragePooling2D", "GlobalMaxPooling2D"):
             return GlobalPooling(layer)
         if kind == "ZeroPadding2D":
