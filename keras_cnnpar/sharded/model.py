@@ -13,8 +13,8 @@ channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
 after it, which then holds its kernel as ``(h, w, c, units)`` sharded on
 ``c``. The output of the model always has whole channels. Every layer's
 output is pinned to its layout (``dtensor.relayout``): left to DTensor's
-layout propagation, a sharded layout reached the
-moments of a BatchNormalization on whole channels, and the step failed.
+layout propagation, a sharded layout reached the moments of a
+BatchNormalization on whole channels, and the step failed.
 
 Example:
 
