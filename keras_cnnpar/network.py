@@ -36,6 +36,15 @@ def unreachable(spec):
             if not _answers(address)]
 
 
+def unreachable_within(spec, seconds):
+    """The ``job:index`` names of the tasks of ``spec`` that refuse TCP connections within ``seconds`` (polled):
+    a task whose connections just broke may still be dying, its port still open."""
+    deadline = time.monotonic() + seconds
+    while not (lost := unreachable(spec)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return lost
+
+
 def wait_reachable(spec, timeout):
     """Wait until every task of ``spec`` accepts TCP connections; raise ``ConnectionError`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
