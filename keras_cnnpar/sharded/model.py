@@ -84,8 +84,6 @@ class Pooling(tf.Module):
             raise ValueError(f"channel sharding supports AveragePooling2D with padding='valid' only; layer "
                              f"{layer.name!r} has padding={layer.padding!r}. Received: padding={layer.padding!r}")
         self.mesh, self.sharded = mesh, channels_sharded
-        self.tiled = self.window == self.strides and not any(
-            n % w for n, w in zip(layer.input.shape[1:3], self.window))
 
     def __call__(self, x, training=False):
         if self.max and not self.sharded:
@@ -94,8 +92,8 @@ class Pooling(tf.Module):
             batch_sharded = dtensor.Layout(["model", *[dtensor.UNSHARDED] * 3], self.mesh)
             y = self._native(dtensor.relayout(x, batch_sharded))
             return dtensor.relayout(y, activation_layout(self.mesh, y.shape, channels_sharded=True))
-        if self.tiled:
-            (h, w), (kh, kw) = x.shape[1:3], self.window
+        (h, w), (kh, kw) = x.shape[1:3], self.window
+        if self.window == self.strides and h % kh == 0 and w % kw == 0:
             tiles = tf.reshape(x, [-1, h // kh, kh, w // kw, kw, x.shape[-1]])
             return (tf.reduce_max if self.max else tf.reduce_mean)(tiles, axis=[2, 4])
         pads = same_padding(x.shape[1:3], self.window, self.strides, self.padding)

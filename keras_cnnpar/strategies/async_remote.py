@@ -25,6 +25,7 @@ removes the folder and exits when the user's process dies.
 """
 
 import builtins
+import contextlib
 import itertools
 import json
 import os
@@ -47,6 +48,8 @@ from keras_cnnpar.subprocesses import python_command
 
 #: The prefixes of the coordinator's protocol lines on its standard output.
 READY, EPOCH, DONE, ERROR = "CNNPAR-READY ", "CNNPAR-EPOCH ", "CNNPAR-DONE", "CNNPAR-ERROR "
+#: How long the user's process lets a failed coordinator finish writing its traceback before ending it.
+ERROR_EXIT_SECONDS = 10
 
 
 class CoordinatorCheckpoint:
@@ -140,7 +143,9 @@ class CoordinatorProcessRun(Run):
         for line in self.child.stdout:
             if line.startswith(prefix):
                 return line[len(prefix):]
-            if line.startswith(ERROR):
+            if line.startswith(ERROR):  # the coordinator exits next: let its traceback reach stderr first
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.child.wait(timeout=ERROR_EXIT_SECONDS)
                 raise _exception(json.loads(line[len(ERROR):]))
             sys.stdout.write(line)
         raise RuntimeError(f"the AsyncPS coordinator process ended (exit code {self.child.wait()}) before it sent "
