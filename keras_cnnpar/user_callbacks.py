@@ -49,6 +49,16 @@ def _with_batch_hooks(callbacks):
             if any(getattr(type(callback), hook) is not getattr(base, hook) for hook in _BATCH_HOOKS)]
 
 
+def reads_batch_logs(callbacks):
+    """Whether one of ``callbacks`` (those inside a :class:`UserModelCallbacks` too) overrides a training batch hook.
+
+    >>> reads_batch_logs([keras.callbacks.History()]), reads_batch_logs([keras.callbacks.ProgbarLogger()])
+    (False, True)
+    """
+    return any(reads_batch_logs(callback.callbacks) if isinstance(callback, UserModelCallbacks)
+               else bool(_with_batch_hooks([callback])) for callback in callbacks)
+
+
 class UserModelCallbacks(keras.callbacks.Callback):
     """Runs ``callbacks`` against the user's ``model`` while ``run`` (a strategy's ``Run``) trains (see the module).
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
+from keras_cnnpar.strategies import base
 from keras_cnnpar.user_callbacks import UserModelCallbacks
 from tests.helpers import IN_PROCESS, build_small_cnn, max_difference
 
@@ -74,6 +75,30 @@ def test_backup_and_restore_resumes_a_killed_run_at_its_epoch(strategy, user_dat
     resumed = cnnpar.fit(fresh, user_data, epochs=4, strategy=strategy, results_dir=None, verbose=0,
                          callbacks=[keras.callbacks.BackupAndRestore(backup)]).history["loss"]
     assert resumed == pytest.approx(uninterrupted[2:], rel=1e-4)  # epochs 3 and 4, from the backed-up weights
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Keeps every training batch's index and logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((batch, {name: float(value) for name, value in logs.items()}))
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if base.resolve(s).steps_per_execution == 1], ids=str)
+def test_a_batch_hook_sees_every_step_with_the_running_loss_and_metrics(strategy, user_data):
+    """(Keras's ``fit`` calls batch hooks once per ``steps_per_execution`` steps; these strategies run one.)"""
+    recorder = BatchLogs()
+    history = cnnpar.fit(build_small_cnn(), user_data, epochs=1, strategy=strategy, callbacks=[recorder],
+                         results_dir=None, verbose=0)
+    assert [batch for batch, _ in recorder.seen] == [0, 1, 2, 3]
+    last = recorder.seen[-1][1]  # the running means after the last step are the epoch's
+    assert last["loss"] == pytest.approx(history.history["loss"][0], rel=1e-5)
+    assert last["accuracy"] == pytest.approx(history.history["accuracy"][0], rel=1e-5)
+    assert recorder.seen[0][1]["loss"] != pytest.approx(last["loss"], rel=1e-5)
 
 
 def test_a_rate_that_a_callback_sets_reaches_the_training_copy_times_the_strategys_factor():

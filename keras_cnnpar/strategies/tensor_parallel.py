@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from keras_cnnpar import arguments, fused, rebuild, sharded
+from keras_cnnpar import arguments, fused, rebuild, sharded, user_callbacks
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
 from keras_cnnpar.strategies import base, loop
@@ -115,16 +115,17 @@ class MeshRun(base.Run):
         steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
+        update_metrics = _metrics_update(prepared)
 
         def train_epoch(epoch, callback_list):
             learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
-            logs = _run_batches(prepared, batches, steps, lambda x, y: train_step(x, y, learning_rate),
+            logs = _run_batches(prepared, update_metrics, batches, steps, lambda x, y: train_step(x, y, learning_rate),
                                 self.sharded.mesh, callback_list)
             self._sync()
             return logs
 
         def validate():
-            return _run_batches(prepared, iter(validation_data), validation_steps
+            return _run_batches(prepared, update_metrics, iter(validation_data), validation_steps
                                 or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh)
 
         return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
@@ -225,13 +226,16 @@ def _steps(sharded, optimizer, loss_fn):
     return train_step, test_step
 
 
-def _run_batches(model, batches, steps, step, mesh, callback_list=None):
+def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_list=None):
     """Run ``step`` on ``steps`` batches; update ``model``'s compiled metrics from the predictions; return the logs.
 
-    The loss is the batch-size-weighted mean, as Keras reports it. The logs are
-    read after every step only when batch callbacks are given.
+    The loss is the batch-size-weighted mean, as Keras reports it;
+    ``update_metrics`` is ``_metrics_update(model)``. Batch hooks are called, and
+    the logs read back after a step, only when a callback overrides a batch
+    hook (reading them costs a few ms a step).
     """
     model.reset_metrics()
+    per_batch = callback_list is not None and user_callbacks.reads_batch_logs(callback_list.callbacks)
     total, count = 0.0, 0
 
     def logs():
@@ -239,14 +243,24 @@ def _run_batches(model, batches, steps, step, mesh, callback_list=None):
 
     for index in range(steps):
         x, y = next(batches)
-        if callback_list is not None:
+        if per_batch:
             callback_list.on_train_batch_begin(index)
         loss, y_pred = step(*(to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape))) for a in (x, y)))
         total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
-        model.compute_metrics(x, y, dtensor.unpack(y_pred)[0])
-        if callback_list is not None:
+        update_metrics(x, y, dtensor.unpack(y_pred)[0])
+        if per_batch:
             callback_list.on_train_batch_end(index, logs())
     return logs()
+
+
+def _metrics_update(model):
+    """``model.compute_metrics`` as one traced function (run eagerly, it cost a few ms a step)."""
+
+    @tf.function
+    def update(x, y, y_pred):
+        model.compute_metrics(x, y, y_pred)
+
+    return update
 
 
 class _MeshOptimizer:
