@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import rebuild, strategies
+from keras_cnnpar import fitting, rebuild, strategies
 
 #: Largest max-abs first-step gradient difference that passes (float noise is ~1e-6; a bug is ~1e-2).
 PARITY_TOLERANCE = 1e-4
@@ -115,13 +115,11 @@ def _normalizes_per_replica(model, strategy):
 
 def gradient_difference(model, strategy, x, y):
     """Max abs difference between the gradient ``strategy`` applies in one step on ``(x, y)`` and Single's."""
-    from keras_cnnpar import training
-
     expected = _single_gradient(_sgd_copy(model), x, y)
     probe = _sgd_copy(model)
     before = [v.numpy() for v in probe.trainable_variables]
-    training.fit(probe, x, y, strategy=strategy, batch_size=len(x), epochs=1, shuffle=False, verbose=0,
-                 results_dir=None)
+    fitting.fit(probe, x, y, strategy=strategy, batch_size=len(x), epochs=1, shuffle=False, verbose=0,
+                results_dir=None)
     applied = [(b - v.numpy()) / strategy.lr_factor() for b, v in zip(before, probe.trainable_variables)]
     return max(float(np.max(np.abs(a - e))) for a, e in zip(applied, expected))
 
@@ -255,17 +253,15 @@ class StepTimeSplit(keras.callbacks.Callback):
         self.compute = float(np.median(times))
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.start, self.steps, self.train_seconds = time.perf_counter(), 0, None
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps = batch + 1
+        self.start, self.train_seconds = time.perf_counter(), None
 
     def on_test_begin(self, logs=None):
         self.train_seconds = self.train_seconds or time.perf_counter() - self.start
 
     def on_epoch_end(self, epoch, logs=None):
-        if logs is None or not self.steps:
+        steps = self.params.get("steps")  # no batch hook: a loop of its own then skips reading each step's logs
+        if logs is None or not steps:
             return
-        step = (self.train_seconds or time.perf_counter() - self.start) / self.steps
+        step = (self.train_seconds or time.perf_counter() - self.start) / steps
         logs.update(step_seconds=step, compute_seconds=self.compute, sync_seconds=max(step - self.compute, 0.0),
                     sync_fraction=max(step - self.compute, 0.0) / step)

@@ -41,6 +41,8 @@ def main():
       cnnpar train --strategy hybrid --mesh 2x2 --checks     # DTensor mesh, with parity checks
       cnnpar sweep --models 2+2 --strategies single,mirrored --devices 1,2
       cnnpar report --results results                       # table, summary.md, plots
+      cnnpar plan --model 2+2 --devices 2                    # measure every strategy, rank them
+      cnnpar train --strategy auto --devices 2               # train with the plan's choice
       cnnpar data kaggle --out data                          # Kaggle-format CSVs
       cnnpar train --data data/train.csv --results results
     """
@@ -50,9 +52,11 @@ def main():
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers; resnet: a residual CNN with "
                    "BatchNormalization (functional).")
-@click.option("--strategy", "strategy_name", type=click.Choice(registry.names()), default="single",
+@click.option("--strategy", "strategy_name", type=click.Choice([*registry.names(), "auto"]), default="single",
               show_default=True,
-              help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries()) + ".")
+              help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries())
+              + "; auto: the fastest configuration on --devices whose first step matches single's, measured "
+                "(see `cnnpar plan`; the plan is cached).")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored, 2 for layers and "
@@ -146,17 +150,22 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     user_checkpoint_dir = checkpoint_dir is not None
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, runs.CHECKPOINTS)
-    try:
-        strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0], model=mesh and mesh[1],
-                                     microbatches=microbatches, workers=workers, ps=ps, cluster=cluster_spec,
-                                     coordinator=coordinator, resume=resume, checkpoint_dir=checkpoint_dir,
-                                     timeout=timeout, scale_lr=scale_lr, accumulate=accumulate)
-    except (TypeError, ValueError) as error:
-        raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
-    except ConnectionError as error:
-        raise click.ClickException(str(error)) from None
-    if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
-        strategy = strategy.replace(checkpoint_dir=None)  # --no-log writes nothing; --checkpoint-dir keeps them
+    if strategy_name == "auto":
+        strategy, local_devices = "auto", _auto_devices(devices, checks)
+    else:
+        try:
+            strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0],
+                                         model=mesh and mesh[1], microbatches=microbatches, workers=workers, ps=ps,
+                                         cluster=cluster_spec, coordinator=coordinator, resume=resume,
+                                         checkpoint_dir=checkpoint_dir, timeout=timeout, scale_lr=scale_lr,
+                                         accumulate=accumulate)
+        except (TypeError, ValueError) as error:
+            raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+        except ConnectionError as error:
+            raise click.ClickException(str(error)) from None
+        if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
+            strategy = strategy.replace(checkpoint_dir=None)  # --no-log writes nothing; --checkpoint-dir keeps them
+        local_devices = strategy.local_devices
     _check_writable(None if no_log else results_dir, "--results")  # before training: no run lost at its end
     _check_writable(export_dir, "--export")
     if export_dir is not None and export_version is not None \
@@ -164,7 +173,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
                                  f"version or use `cnnpar export --force` after training. "
                                  f"Received: --version {export_version}", param_hint="--version")
-    click.echo(device_lib.describe(device_lib.configure(strategy.local_devices)))
+    click.echo(device_lib.describe(device_lib.configure(local_devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
     except data_lib.DataError as error:
@@ -187,6 +196,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.ClickException(str(error)) from None
     except ValueError as error:  # refused before training (a resume that does not match, a results file)
         raise Refused(str(error)) from None
+    strategy = history.strategy  # the one "auto" chose
     if not strategy.is_chief:
         return
     if not no_log:
@@ -198,6 +208,14 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _auto_devices(devices, checks):
+    """The devices ``--strategy auto`` plans over: ``--devices``, else 2."""
+    if checks:
+        raise click.BadParameter("--strategy auto checks the parity of every configuration in its plan; "
+                                 "leave --checks out, or name a strategy. Received: --checks", param_hint="--checks")
+    return devices or 2
 
 
 def _checks(model, strategy, train_part, batch_size):
@@ -380,6 +398,56 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
                f"{len(failed)} failed (see sweep.csv)")
     if failed:
         sys.exit(1)
+
+
+@main.command("plan")
+@click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True)
+@click.option("--devices", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Devices to plan for; logical CPU devices are created when the machine has fewer accelerators.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Global batch.")
+@click.option("--data", "source", default="mnist-5k", show_default=True, help="As for `cnnpar train`.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="As for `cnnpar train`.")
+@PRECISION
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write plan.csv and plan.png into this folder.")
+@FORCE
+@click.option("--fresh", is_flag=True, help="Measure again instead of reading the cached plan.")
+def plan_command(model_kind, devices, batch_size, source, data_dir, precision, out_dir, force, fresh):
+    """Measure every configuration the devices allow on a model and rank them: images/s, speedup, where the step's
+    time goes (compute, communication, input, idle), memory per device, first-step parity, and advice.
+
+    Each configuration trains a copy of the model for a few warm steps. The
+    plan is cached per model, devices, machine, batch and precision, so a
+    second `plan` (or `train --strategy auto`) is instant; --fresh measures again.
+    """
+    _quiet_tensorflow()
+    if out_dir is not None:
+        _refuse_to_overwrite([os.path.join(out_dir, name) for name in ("plan.csv", "plan.png")], force)
+        _check_writable(out_dir, "--out")
+    import keras
+
+    from keras_cnnpar import data as data_lib
+    from keras_cnnpar import devices as device_lib
+    from keras_cnnpar import hardware, models, planner
+
+    click.echo(device_lib.describe(device_lib.configure(devices)))
+    try:
+        digits = data_lib.load(source, data_dir=data_dir)
+    except data_lib.DataError as error:
+        raise click.BadParameter(str(error), param_hint="--data") from None
+    keras.utils.set_random_seed(0)
+    model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    result = planner.plan(model, digits.x, digits.y, batch_size=batch_size, devices=devices,
+                          precision=hardware.auto_precision() if precision == "auto" else precision,
+                          cache=not fresh, log=lambda line: click.echo(line, err=True))
+    click.echo(result.table())
+    best = result.best()
+    click.echo(f"\nauto would choose: {best.configuration if best else 'single (no configuration passed parity)'}"
+               + (" (cached plan; --fresh measures again)" if result.cached else ""))
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        planner.save(result, out_dir)
+        click.echo(f"wrote plan.csv and plan.png in {out_dir}")
 
 
 @main.command()

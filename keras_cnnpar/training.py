@@ -1,4 +1,5 @@
-"""``cnnpar.fit`` (resolve the strategy, prepare, fit, finalize, log the run) and ``cnnpar.parallel``.
+"""``cnnpar.fit`` (choose the strategy for ``"auto"``, then one run of :mod:`keras_cnnpar.fitting`) and
+``cnnpar.parallel``.
 
 Example:
 
@@ -11,20 +12,12 @@ Example:
 ['accuracy', 'loss']
 """
 
-import contextlib
 import functools
-import hashlib
-import math
-import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, hardware, provenance, runs, strategies
-from keras_cnnpar import callbacks as callback_lib
-from keras_cnnpar import data as data_lib
-from keras_cnnpar.user_callbacks import UserModelCallbacks
+from keras_cnnpar import arguments, fitting, hardware, planner
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
@@ -44,7 +37,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     Args:
         model: a compiled Keras model.
         x, y: images and integer labels (numpy arrays), or a batched dataset as ``x``.
-        strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``.
+        strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``; ``"auto"`` measures the
+            configurations the logical devices allow on this model and data and trains with the fastest whose
+            first step matches Single's (``cnnpar.planner``; the plan is cached). The choice and the runner-up
+            are printed and logged, the plan is ``history.plan`` and the strategy ``history.strategy``.
         resume: continue an interrupted run from the strategy's checkpoint
             (strategies that keep one: ``MultiWorker``, ``AsyncPS``); the same as
             creating the strategy with ``resume=True``.
@@ -66,61 +62,29 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         epochs, validation_data, validation_split, shuffle, initial_epoch,
         **fit_kwargs: as in ``keras.Model.fit``.
     """
-    strategy = strategies.resolve(strategy)
-    _check_model(model)
-    precision = _hardware_precision(precision)
-    if resume and not strategy.keeps_checkpoints:
-        raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
-                         f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
-    batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
-    train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
-                                                strategy, given_steps=fit_kwargs)
-    if samples is not None and fit_kwargs.get("steps_per_epoch"):
-        samples = fit_kwargs["steps_per_epoch"] * batch_size
-    fit_kwargs = {**steps, **fit_kwargs}
-    if not model.built:
-        model.build(train.element_spec[0].shape)
-    data = _data_identity(x if isinstance(x, tf.data.Dataset) else y)
-    settings = strategies.RunSettings(
-        precision=precision, fused_optimizer=bool(fused_optimizer), resume=bool(resume) or strategy.resume,
-        record=_run_record(model, strategy, batch_size, precision, data) if strategy.keeps_checkpoints else {})
-    run = strategy.prepare(model, settings)
-    with contextlib.closing(run):  # its processes and temporary files end with this call, failed or not
-        _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
-        initial_epoch = run.resume_epoch(initial_epoch)
-        if settings.resume and run.checkpoint and initial_epoch >= epochs:
-            raise ValueError(f"{run.checkpoint.directory} already holds all {epochs} requested epochs "
-                             f"({initial_epoch} completed); there is nothing to train, and the checkpoint is kept. "
-                             f"Received: epochs={epochs}")
-        report = run.report()
-        if report and fit_kwargs.get("verbose", 1):
-            print(report)
-        logging = []
-        if results_dir is not None and strategy.is_chief:
-            info = callback_lib.RunInfo(
-                model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
-                global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
-                precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
-                tensorflow=tf.__version__, machine=provenance.machine())
-            logging = callback_lib.run_callbacks(info, results_dir, report=report)
-        users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
-        try:
-            history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging],
-                              initial_epoch=initial_epoch, **fit_kwargs)
-        except BaseException as error:
-            if logging:
-                epoch_logger, recorder = logging
-                epoch_logger.close()
-                with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
-                    recorder.on_failure(error)
-            raise
-        run.finalize(model)
-        for user in users:  # on_train_end, with the trained state in the user's model
-            user.train_ended({name: values[-1] for name, values in history.history.items() if values})
-        history.set_model(model)
-        history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
-        model.history = history
-        return history
+    plan = note = None
+    if isinstance(strategy, str) and strategy == "auto":
+        strategy, plan, note = _auto(model, x, y, batch_size, precision, fit_kwargs.get("verbose", 1))
+    history = fitting.fit(model, x, y, strategy=strategy, results_dir=results_dir, batch_size=batch_size,
+                          epochs=epochs, validation_data=validation_data, validation_split=validation_split,
+                          shuffle=shuffle, callbacks=callbacks, initial_epoch=initial_epoch, resume=resume,
+                          precision=precision, fused_optimizer=fused_optimizer, note=note, **fit_kwargs)
+    history.plan = plan
+    return history
+
+
+def _auto(model, x, y, batch_size, precision, verbose):
+    """``strategy="auto"``: the chosen strategy, the plan, and the line that tells the choice (printed when
+    ``verbose``)."""
+    fitting.check_model(model)
+    precision = arguments.precision(precision)
+    lines = []
+    strategy, plan = planner.choose(model, x, y, batch_size=_global_batch(x, batch_size),
+                                    precision=hardware.auto_precision() if precision == "auto" else precision,
+                                    log=lines.append)
+    if verbose:
+        print("\n".join(lines))
+    return strategy, plan, lines[-1]
 
 
 def parallel(model):
@@ -154,122 +118,8 @@ def parallel(model):
     return model
 
 
-def _fit_whole_chunks(prepared, steps_per_epoch):
-    """Make Keras's ``steps_per_execution`` divide a user's ``steps_per_epoch``: Keras runs whole chunks of
-    steps on an infinite dataset, so 8 per call would make an epoch of 3 steps take 8."""
-    chunk = getattr(prepared, "steps_per_execution", 1) or 1
-    if steps_per_epoch and chunk > 1 and steps_per_epoch % chunk:
-        prepared.steps_per_execution = math.gcd(steps_per_epoch, chunk)
-
-
-def _data_identity(labels):
-    """What identifies a run's data: its size and a digest of its labels (for a dataset, its cardinality),
-    which a changed split, seed or source alters."""
-    if isinstance(labels, tf.data.Dataset):
-        return f"tf.data.Dataset of {int(labels.cardinality())} batches"
-    labels = np.ascontiguousarray(labels)
-    return f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
-
-
-def _run_record(model, strategy, batch_size, precision, data):
-    """What a checkpoint records of its run, so that a resume with other settings is refused."""
-    return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
-            "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
-            "accumulate": strategy.accumulate, "precision": precision}
-
-
-def _hardware_precision(precision):
-    """``precision`` for this machine: ``"auto"`` resolved (see ``cnnpar.hardware``), and a one-line warning for
-    ``mixed_bfloat16`` on a CPU that only emulates bfloat16."""
-    precision = arguments.precision(precision)
-    if precision == "auto":
-        return hardware.auto_precision()
-    warning = hardware.bfloat16_warning() if precision == "mixed_bfloat16" else None
-    if warning and not tf.config.list_physical_devices("GPU"):
-        warnings.warn(warning, stacklevel=3)
-    return precision
-
-
-def _check_model(model):
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"fit() takes a keras.Model. Received: model={type(model).__name__}")
-    if not model.compiled:
-        raise ValueError(f"model {model.name!r} is not compiled; call model.compile(optimizer=..., loss=...) "
-                         f"before fit. Received: model.compiled=False")
-
-
-def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=()):
-    """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
-
-    Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
-    the ``steps_per_epoch`` / ``validation_steps`` that go with repeated ones.
-    A user's datasets are repeated (:func:`_repeated`) unless ``given_steps``
-    (the user's ``fit`` options) already sets their steps.
-    """
+def _global_batch(x, batch_size):
+    """The global batch: ``batch_size`` (default 32), or that of a batched dataset's first batch."""
     if isinstance(x, tf.data.Dataset):
-        if batch_size is not None or y is not None or validation_split:
-            raise ValueError("with a tf.data.Dataset as x, batch it yourself and give no y, batch_size or "
-                             f"validation_split. Received: batch_size={batch_size}, y={type(y).__name__}, "
-                             f"validation_split={validation_split}")
-        if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-            raise ValueError("with a tf.data.Dataset as x, give validation_data as a dataset too. "
-                             f"Received: validation_data of type {type(validation_data).__name__}")
-        train, steps = x, None
-        if "steps_per_epoch" not in given_steps:
-            train, steps = _repeated(x, strategy.steps_per_execution)
-        validation, validation_steps = validation_data, None
-        if "validation_steps" not in given_steps:
-            validation, validation_steps = _repeated(validation_data, strategy.steps_per_execution)
-        steps = {"steps_per_epoch": steps, "validation_steps": validation_steps}
-        return train, validation, {k: v for k, v in steps.items() if v is not None}, None
-    x, y = np.asarray(x), np.asarray(y)
-    if len(x) != len(y):
-        raise ValueError(f"x and y must hold the same number of examples. Received: len(x)={len(x)}, len(y)={len(y)}")
-    if validation_split:
-        if validation_data is not None:
-            raise ValueError("give validation_data or validation_split, not both. "
-                             f"Received: validation_split={validation_split}")
-        cut = int(len(x) * (1.0 - validation_split))
-        x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train, steps = _epoch_dataset(x, y, batch_size * strategy.accumulate, strategy.steps_per_execution,
-                                  shuffle=bool(shuffle),
-                                  seed=strategy.shuffle_seed)
-    steps = {"steps_per_epoch": steps}
-    validation = validation_data
-    if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        val_x, val_y = (np.asarray(a) for a in validation_data[:2])
-        validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size,
-                                                               strategy.steps_per_execution)
-    return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
-
-
-def _repeated(dataset, steps_per_execution):
-    """A user's finite ``dataset`` repeated, with its batches per pass; as given, with None, if that cannot be.
-
-    One iterator then serves every epoch, as for numpy inputs (see :func:`_epoch_dataset`),
-    which spares ``MirroredStrategy`` a fresh distributed iterator per epoch. A dataset of
-    unknown or infinite length, or whose length ``steps_per_execution`` does not divide,
-    stays as it is.
-    """
-    if dataset is None:
-        return None, None
-    batches = int(dataset.cardinality())
-    if batches <= 0 or batches % steps_per_execution:
-        return dataset, None
-    return dataset.repeat(), batches
-
-
-def _epoch_dataset(x, y, batch_size, steps_per_execution, *, shuffle=False, seed=None):
-    """The input pipeline of ``(x, y)``, repeated with its steps per pass where Keras allows; else ``steps=None``.
-
-    A repeated dataset keeps one input iterator (and its per-device prefetching)
-    for every epoch; a fresh distributed iterator per epoch costs seconds under
-    ``MirroredStrategy``. Batches never straddle passes. Keras runs whole
-    ``steps_per_execution`` chunks on a repeated dataset, so a pass whose steps
-    are not a multiple of it stays finite and Keras stops at its end.
-    """
-    dataset = data_lib.pipeline(x, y, batch_size, shuffle=shuffle, seed=seed)
-    steps = math.ceil(len(x) / batch_size)
-    if steps % steps_per_execution:
-        return dataset, None
-    return dataset.repeat(), steps
+        return int(tf.shape(tf.nest.flatten(next(iter(x)))[0])[0])
+    return batch_size or 32
