@@ -187,7 +187,10 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
     key = _cache_key(model, devices, batch_size, precision)
     path = cache_path(key)
     if cache and candidates is None and path.exists():
-        return Plan(key, [Trial(**t) for t in json.loads(path.read_text())["trials"]], cached=True)
+        try:
+            return Plan(key, [Trial(**t) for t in json.loads(path.read_text())["trials"]], cached=True)
+        except (ValueError, TypeError, KeyError) as error:  # written by another version, or damaged
+            log(f"plan: the cached plan {path} is unreadable ({type(error).__name__}: {error}); measuring again")
     x, y = _trial_data(x, y, batch_size)
     trials = []
     for label, strategy in _labelled(candidates, devices, batch_size).items():

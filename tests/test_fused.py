@@ -82,7 +82,8 @@ def test_the_fused_update_matches_keras(kind, steps):
 
 
 @pytest.mark.parametrize("optimizer", [keras.optimizers.Lion(), keras.optimizers.RMSprop(),
-                                       keras.optimizers.Adamax(), keras.optimizers.Nadam()], ids=repr)
+                                       keras.optimizers.Adamax(), keras.optimizers.Nadam()],
+                         ids=lambda optimizer: type(optimizer).__name__)
 def test_optimizers_without_a_kernel_keep_the_keras_update(optimizer):
     assert not fused.fuse(optimizer)
     assert not isinstance(optimizer.update_step, functools.partial)

@@ -96,6 +96,11 @@ def test_a_plan_is_cached_per_model_batch_and_devices(few_digits, tmp_path, monk
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
     other = planner.plan(build_small_cnn(), x, y, batch_size=32, devices=1, log=lambda line: None)
     assert not other.cached and len(list((tmp_path / "plans").glob("*.json"))) == 2
+    planner.cache_path(first.key).write_text('{"trials": [{"configuration": "single"')  # cut short
+    lines = []
+    remeasured = planner.plan(build_small_cnn(), x, y, batch_size=64, devices=1, log=lines.append)
+    assert not remeasured.cached and lines[0].startswith(f"plan: the cached plan {planner.cache_path(first.key)} "
+                                                         f"is unreadable (JSONDecodeError")
 
 
 def test_fit_with_auto_trains_the_plans_choice_and_logs_it(few_digits, tmp_path, monkeypatch):
