@@ -7,8 +7,9 @@ the user's model and data:
 
 1. the memory estimate per device (:mod:`keras_cnnpar.memory`);
 2. the first-step gradient parity with Single (:mod:`keras_cnnpar.checks`);
-3. a few warm steps timed (an epoch of ``steps`` steps after one that traces
-   the functions), then one more epoch traced with TensorFlow's profiler to
+3. a few warm steps timed (the median of ``TIMED_EPOCHS`` epochs of
+   ``TRIAL_STEPS`` steps, after one that traces the functions), then one more
+   epoch traced with TensorFlow's profiler to
    split the step into compute, communication, input and idle
    (:mod:`keras_cnnpar.timesplit`; for ``async-ps``, whose steps run in other
    processes, compute is Single's traced compute per batch and the rest of a
@@ -40,6 +41,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -64,8 +66,10 @@ from keras_cnnpar import (
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.atomic import write_atomic
 
-#: Timed steps of a trial (one epoch of them traces the functions first, one more is profiled).
+#: Steps of a trial's epoch: one epoch traces the functions, ``TIMED_EPOCHS`` are timed, one more is profiled.
 TRIAL_STEPS = 8
+#: Timed epochs of a trial; its images/s is their median.
+TIMED_EPOCHS = 5
 #: Micro-batch counts a layer placement is tried with.
 MICROBATCHES = (1, 2, 4)
 #: Communication share above which a row's advice is to communicate less (the original project's 20-30%).
@@ -309,12 +313,12 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
         copy = rebuild.rebuild(model, scope=contextlib.nullcontext())
         try:
             with _peak_memory() as peak:
-                fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=3, shuffle=False,
-                             verbose=0, results_dir=None, precision=precision, callbacks=[timer])
-            trial.images_per_second = len(x) / timer.seconds[1]
+                fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
+                            shuffle=False, verbose=0, results_dir=None, precision=precision, callbacks=[timer])
+            trial.images_per_second = len(x) / statistics.median(timer.seconds[1:-1])
             trial.memory_measured_mib = peak() / 2**20 / strategy.num_devices if traces and peak() else math.nan
             if traces:
-                split = timesplit.split(folder, timer.seconds[2], strategy.num_devices)
+                split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name)
                 trial.compute, trial.communication, trial.input, trial.idle = (split[k] for k in timesplit.KINDS)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -402,9 +406,9 @@ def _mib(value):
 
 
 class _TrialTimer(keras.callbacks.Callback):
-    """Times each epoch of a trial; with a ``folder``, the third runs under the profiler, its trace written there."""
+    """Times each epoch of a trial; with a ``folder``, the last runs under the profiler, its trace written there."""
 
-    TRACED_EPOCH = 2
+    TRACED_EPOCH = TIMED_EPOCHS + 1
 
     def __init__(self, folder=None):
         super().__init__()

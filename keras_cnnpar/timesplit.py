@@ -7,8 +7,8 @@
 - **communication**: collectives (all-reduce, all-gather, all-to-all: DTensor
   lowers its relayouts and all-reduces to them), sends and receives between
   devices and tasks, copies to a DTensor mesh, and the cross-device sum of a
-  ``MirroredStrategy`` on CPUs (an ``AddN`` outside the gradient tape and the
-  replicas, on the device that reduces);
+  ``MirroredStrategy`` on CPUs (an ``AddN`` in the optimizer's name scope, on
+  the device that reduces);
 - **input**: reading batches from ``tf.data``;
 - **compute**: every other op (convolutions, matmuls, element-wise, updates);
 - **idle**: the devices' time with no op running (pipeline bubbles, waiting,
@@ -21,10 +21,12 @@ before idle is clipped at 0, and they are scaled to sum to 1.
 
 >>> kind_of_op("gradient_tape/conv2d/Conv2DBackpropFilter:Conv2DBackpropFilter")
 'compute'
->>> kind_of_op("einsum_1/Einsum/DTensorAllReduceOp_9_1:CollectiveReduceV2"), kind_of_op("adam/AddN_4:AddN")
-('communication', 'communication')
->>> kind_of_op("gradient_tape/replica_1/dense/AddN:AddN"), kind_of_op("StatefulPartitionedCall:StatefulPartitionedCall")
-('compute', None)
+>>> kind_of_op("einsum_1/Einsum/DTensorAllReduceOp_9_1:CollectiveReduceV2")
+'communication'
+>>> kind_of_op("StatefulPartitionedCall/adam/AddN_4:AddN", "adam"), kind_of_op("StatefulPartitionedCall/AddN_9:AddN")
+('communication', 'compute')
+>>> kind_of_op("StatefulPartitionedCall:StatefulPartitionedCall") is None  # a call: its ops are traced themselves
+True
 """
 
 import collections
@@ -60,8 +62,12 @@ def traced(folder):
         tf.profiler.experimental.stop()
 
 
-def kind_of_op(event_name):
-    """The kind of a traced op event named ``"op name:op type"``; None for function calls and other events."""
+def kind_of_op(event_name, optimizer_scope=None):
+    """The kind of a traced op event named ``"op name:op type"``; None for function calls and other events.
+
+    ``optimizer_scope`` is the name scope of the model's optimizer (its ``name``), in which a
+    ``MirroredStrategy`` sums the replicas' gradients.
+    """
     if "::" in event_name or ":" not in event_name:
         return None
     name, op_type = event_name.rsplit(":", 1)
@@ -70,15 +76,16 @@ def kind_of_op(event_name):
         return None
     if op_type in COMMUNICATION_OPS or "DTensorAll" in name or op_type.startswith("Relayout"):
         return "communication"
-    if op_type == "AddN" and "gradient_tape" not in name and "replica_" not in name:
+    if op_type == "AddN" and optimizer_scope and f"/{optimizer_scope}/" in f"/{name}":
         return "communication"  # MirroredStrategy's sum of the replicas' gradients
     if op_type in INPUT_OPS:
         return "input"
     return "compute"
 
 
-def op_seconds(folder):
-    """Seconds of traced op time per kind (compute, communication, input) in the newest trace under ``folder``."""
+def op_seconds(folder, optimizer_scope=None):
+    """Seconds of traced op time per kind (compute, communication, input) in the newest trace under ``folder``
+    (``optimizer_scope`` as in :func:`kind_of_op`)."""
     traces = sorted(Path(folder).glob("plugins/profile/*/*.xplane.pb"))
     if not traces:
         raise FileNotFoundError(f"no profiler trace (plugins/profile/*/*.xplane.pb) under {folder}")
@@ -88,7 +95,7 @@ def op_seconds(folder):
     for plane in space.planes:
         for line in plane.lines:
             for event in line.events:
-                kind = kind_of_op(plane.event_metadata[event.metadata_id].name)
+                kind = kind_of_op(plane.event_metadata[event.metadata_id].name, optimizer_scope)
                 if kind is not None:
                     seconds[kind] += event.duration_ps * 1e-12
     return seconds
@@ -107,6 +114,6 @@ def shares(seconds, wall_seconds, devices):
     return {kind: busy[kind] / total for kind in KINDS}
 
 
-def split(folder, wall_seconds, devices):
+def split(folder, wall_seconds, devices, optimizer_scope=None):
     """The shares of the trace in ``folder``, taken over ``wall_seconds`` on ``devices`` devices."""
-    return shares(op_seconds(folder), wall_seconds, devices)
+    return shares(op_seconds(folder, optimizer_scope), wall_seconds, devices)
