@@ -70,6 +70,8 @@ from keras_cnnpar.atomic import write_atomic
 TRIAL_STEPS = 8
 #: Timed epochs of a trial; its images/s is their median.
 TIMED_EPOCHS = 5
+#: Distinct batches a trial reads: a new one for every step.
+TRIAL_BATCHES = TRIAL_STEPS * (TIMED_EPOCHS + 2)
 #: Micro-batch counts a layer placement is tried with.
 MICROBATCHES = (1, 2, 4)
 #: Communication share above which a row's advice is to communicate less (the original project's 20-30%).
@@ -180,7 +182,8 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
 
     Args:
         model: a compiled Keras model (it is not trained: each trial trains a copy).
-        x, y: training images and labels; ``TRIAL_STEPS`` batches of them are used (repeated where fewer).
+        x, y: training images and labels; a trial reads ``TRIAL_BATCHES`` batches of them (repeated where there
+            are fewer), shuffled as a run's pipeline shuffles.
         batch_size: the global batch.
         precision: as in ``cnnpar.fit``.
         candidates: strategy objects to try instead of :func:`configurations`'s.
@@ -285,11 +288,12 @@ def _cache_key(model, devices, batch_size, precision):
 
 
 def _trial_data(x, y, batch_size):
-    """``TRIAL_STEPS`` global batches of ``(x, y)`` (a batched dataset is read), repeated where there are fewer."""
+    """``TRIAL_BATCHES`` global batches of ``(x, y)`` (a batched dataset is read), repeated where there are
+    fewer."""
     if isinstance(x, tf.data.Dataset):
-        pairs = list(x.unbatch().take(TRIAL_STEPS * batch_size).as_numpy_iterator())
+        pairs = list(x.unbatch().take(TRIAL_BATCHES * batch_size).as_numpy_iterator())
         x, y = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
-    wanted = TRIAL_STEPS * batch_size
+    wanted = TRIAL_BATCHES * batch_size
     index = np.arange(wanted) % len(x)
     return np.asarray(x)[index], np.asarray(y)[index]
 
@@ -314,8 +318,9 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
         try:
             with _peak_memory() as peak:
                 fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
-                            shuffle=False, verbose=0, results_dir=None, precision=precision, callbacks=[timer])
-            trial.images_per_second = len(x) / statistics.median(timer.seconds[1:-1])
+                            steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision,
+                            callbacks=[timer])
+            trial.images_per_second = TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
             trial.memory_measured_mib = peak() / 2**20 / strategy.num_devices if traces and peak() else math.nan
             if traces:
                 split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name)
