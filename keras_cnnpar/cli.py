@@ -441,7 +441,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
                           precision=hardware.auto_precision() if precision == "auto" else precision,
                           cache=not fresh, log=lambda line: click.echo(line, err=True))
     click.echo(result.table())
-    best = result.best()
+    best = result.best(memory_limit_mib=planner.device_memory_mib(devices))  # as `auto` chooses
     click.echo(f"\nauto would choose: {best.configuration if best else 'single (no configuration passed parity)'}"
                + (" (cached plan; --fresh measures again)" if result.cached else ""))
     if out_dir is not None:

@@ -219,7 +219,7 @@ def choose(model, x, y, *, batch_size=64, devices=None, precision="float32", can
     result = plan(model, x, y, batch_size=batch_size, devices=devices, precision=precision, candidates=candidates,
                   log=log)
     ranked = [t for t in result.trials if t.eligible]
-    best = result.best(memory_limit_mib=_device_memory_mib(devices))
+    best = result.best(memory_limit_mib=device_memory_mib(devices))
     chosen = best.configuration if best else "single"
     runner_up = next((t for t in ranked if t is not best), None)
     log(f"auto: chose {chosen}" + (f" ({best.images_per_second:.0f} images/s, {best.speedup:.2f}x single)"
@@ -380,7 +380,7 @@ def _parse(label):
     return Configuration(alias, tuple((name, int(value)) for name, value in (o.split("=") for o in options)))
 
 
-def _device_memory_mib(devices):
+def device_memory_mib(devices):
     """Memory per device: a GPU's total, else this machine's memory shared by the logical CPU devices."""
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
