@@ -12,7 +12,7 @@ Example:
 >>> history = model.fit(digits.x[::10], digits.y[::10], batch_size=64, strategy="single",
 ...                     results_dir=results, verbose=0)   # adds an EpochLogger and a RunRecorder
 >>> sorted(os.listdir(results))
-['cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv', 'results.log', 'runs.csv']
+['cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv', 'results.log', 'runs', 'runs.csv']
 """
 
 import csv
@@ -24,7 +24,7 @@ from pathlib import Path
 import keras
 
 from keras_cnnpar import hardware, runs
-from keras_cnnpar.atomic import created_mode
+from keras_cnnpar.atomic import created_mode, write_atomic
 from keras_cnnpar.runs import RunInfo
 
 __all__ = ["EpochLogger", "RunInfo", "RunRecorder", "run_callbacks"]
@@ -36,11 +36,14 @@ class EpochLogger(keras.callbacks.Callback):
     Follows ``keras.callbacks.CSVLogger``'s lifecycle: the file opens in
     ``on_train_begin``, gets one flushed row per epoch, and closes in
     ``on_train_end``. Columns are ``epoch`` (1-based) then the rest sorted by
-    name. A run that starts at ``initial_epoch > 0`` keeps the rows of the
-    epochs before it and appends, so no epoch appears twice. The new file is
-    written beside the old one and takes its place only once its first epoch
-    is complete: a rerun that fails before that leaves the previous run's
-    file as it was.
+    name. The run writes its own file (``RunInfo.epoch_csv``, under
+    ``runs/<run id>/``), created once its first epoch is complete, and after
+    every epoch copies it whole onto the configuration's file
+    (``RunInfo.view_csv``, the latest run's): a run that fails before its
+    first epoch leaves the previous run's file as it was, and two runs of one
+    configuration at once each keep their own. A run that starts at
+    ``initial_epoch > 0`` keeps the rows of the epochs before it (from the
+    configuration's file) and appends, so no epoch appears twice.
 
     It must come after callbacks that change the logs (it writes what it sees),
     and it measures an epoch's training time up to the start of validation.
@@ -65,14 +68,15 @@ class EpochLogger(keras.callbacks.Callback):
         super().__init__()
         self.info = info
         self.path = Path(results_dir) / info.epoch_csv
+        self.view = Path(results_dir) / info.view_csv
         self.rows = []
         self._file = self._writer = self._temporary = None
 
     def on_train_begin(self, logs=None):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        header, kept = _kept_epochs(self.path, self.info.initial_epoch)
+        self.view.parent.mkdir(parents=True, exist_ok=True)
+        header, kept = _kept_epochs(self.view, self.info.initial_epoch)
         descriptor, self._temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
-                                                       dir=self.path.parent)
+                                                       dir=self.view.parent)  # the run's folder comes with epoch 1
         os.fchmod(descriptor, created_mode())
         self._file = os.fdopen(descriptor, "w", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, header) if header else None
@@ -111,8 +115,11 @@ class EpochLogger(keras.callbacks.Callback):
         self._file.flush()
         if self._temporary is not None:  # the first complete epoch: the new file takes the old one's place
             os.fsync(self._file.fileno())
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self._temporary, self.path)
             self._temporary = None
+        if self.view != self.path:
+            write_atomic(self.view, self.path.read_bytes())
         self.rows.append(row)
 
     def on_train_end(self, logs=None):

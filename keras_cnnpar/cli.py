@@ -202,8 +202,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     if not no_log:
         from keras_cnnpar import serving
 
-        serving.save_weights(model, os.path.join(results_dir, runs.run_file_name(
-            model.name, strategy.alias, strategy.num_devices, ".weights.h5")))
+        for name in runs.weights_files(history.run_record):
+            serving.save_weights(model, os.path.join(results_dir, name))
     if export_dir is not None:
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
@@ -293,11 +293,12 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
     ]
     if results_dir is not None:
         record = history.run_record  # this run's row of runs.csv (another run may have appended since)
-        csv_name = runs.run_file_name(model.name, strategy.alias, strategy.num_devices)
         lines += [
             f"  throughput    {record['images_per_second']} images/s (median of the epochs after the first), "
             f"speedup vs single {record['speedup'] or 'n/a'}",
-            f"  files         {os.path.join(results_dir, csv_name)}",
+            f"  run           {record['run_id']}, its files in "
+            f"{os.path.join(results_dir, os.path.dirname(record['epoch_csv']))}",
+            f"  files         {os.path.join(results_dir, os.path.basename(record['epoch_csv']))} (the latest run's),",
             f"                {os.path.join(results_dir, runs.RUNS_CSV)}, "
             f"{os.path.join(results_dir, runs.RESULTS_LOG)}",
         ]

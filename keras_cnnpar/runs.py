@@ -11,6 +11,16 @@ in the original project:
 >>> kind_of("cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5")
 '3+3'
 
+Each run also keeps its own copies under ``runs/<run id>/``, so two runs of one
+configuration at once never share a file; the names above are the
+configuration's latest run (a copy, replaced whole after every epoch):
+
+>>> info = RunInfo("cnn2d_2layer_fullconnected_2layer", "single", 1, 64, 4000, 3, run_id="20261201T1200-7-ab")
+>>> info.epoch_csv
+'runs/20261201T1200-7-ab/cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv'
+>>> info.view_csv
+'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv'
+
 Speedup is measured against the latest ``single`` run of the same model, global
 batch, precision, data and machine, in ``runs.csv`` and in the sweep summary alike:
 
@@ -48,6 +58,8 @@ MODEL_NAMES = {
 
 RUNS_CSV = "runs.csv"
 RESULTS_LOG = "results.log"
+#: Folder of the results folder that holds one folder of files per run, named by the run's id.
+RUN_FOLDERS = "runs"
 #: Default folder of the checkpoints of interrupted runs, inside the results folder.
 CHECKPOINTS = "checkpoints"
 #: Columns of ``runs.csv``, in order (documented in docs/results.md).
@@ -85,12 +97,35 @@ class RunInfo:
 
     @property
     def epoch_csv(self):
+        """This run's own epoch CSV, relative to the results folder (``runs.csv``'s ``epoch_csv`` column)."""
+        return self.own_file(".csv")
+
+    @property
+    def view_csv(self):
+        """The configuration's epoch CSV, a copy of its latest run's (the original project's name)."""
         return run_file_name(self.model, self.strategy, self.devices)
+
+    def own_file(self, suffix):
+        """This run's own file with ``suffix`` (``runs/<run id>/<configuration><suffix>``; without an id, the
+        configuration's file)."""
+        name = run_file_name(self.model, self.strategy, self.devices, suffix)
+        return f"{RUN_FOLDERS}/{self.run_id}/{name}" if self.run_id else name
 
 
 def run_file_name(model_name, strategy, devices, suffix=".csv"):
     """Name of a run configuration's file (its per-epoch CSV by default), in the original project's convention."""
     return f"{model_name}_{FRAMEWORK}_{strategy}_{devices}dev{suffix}"
+
+
+def weights_files(row):
+    """Where the weights of the run of ``runs.csv`` ``row`` go: its own file, then the configuration's (the latest
+    run's), relative to the results folder.
+
+    >>> weights_files({"epoch_csv": "runs/7/m_keras_tensorflow_single_1dev.csv"})
+    ['runs/7/m_keras_tensorflow_single_1dev.weights.h5', 'm_keras_tensorflow_single_1dev.weights.h5']
+    """
+    own = str(Path(row["epoch_csv"]).with_suffix(".weights.h5"))
+    return list(dict.fromkeys([own, Path(own).name]))
 
 
 def kind_of(file_name):

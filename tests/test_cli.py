@@ -11,6 +11,8 @@ from keras_cnnpar import cli, data, registry
 from tests.helpers import BAD_TRAIN_FILES, ENV, processes, write_lines
 from tests.helpers import run_cli as run
 
+RUN_NAME = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev"
+
 
 @pytest.fixture(scope="module")
 def kaggle_dir(tmp_path_factory):
@@ -37,12 +39,16 @@ def test_train_on_a_csv_writes_the_run_files_and_a_summary(kaggle_dir, tmp_path)
     summary = result.output[result.output.index("Run summary"):].splitlines()
     assert summary[0] == "Run summary"
     assert [line[2:16].rstrip() for line in summary[1:]] == \
-        ["model", "data", "strategy", "global batch", "final", "throughput", "files", ""]
+        ["model", "data", "strategy", "global batch", "final", "throughput", "run", "files", ""]
     assert f"  data          {small}: 256 train / 64 validation" in summary
     assert "  strategy      <DataParallel devices=2 scale_lr=None>" in summary
     epoch_csv = results / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_mirrored_2dev.csv"
     weights = epoch_csv.name.replace(".csv", ".weights.h5")
-    assert sorted(p.name for p in results.iterdir()) == sorted([epoch_csv.name, "results.log", "runs.csv", weights])
+    assert sorted(p.name for p in results.iterdir()) == \
+        sorted([epoch_csv.name, "results.log", "runs", "runs.csv", weights])
+    (own_folder,) = (results / "runs").iterdir()  # the run's own copies, named by its id
+    assert sorted(p.name for p in own_folder.iterdir()) == sorted([epoch_csv.name, weights])
+    assert (own_folder / epoch_csv.name).read_bytes() == epoch_csv.read_bytes()
     with open(epoch_csv, newline="") as file:
         rows = list(csv.DictReader(file))
     assert [r["epoch"] for r in rows] == ["1", "2"] and rows[0]["global_batch"] == "64"
@@ -175,19 +181,29 @@ def test_out_of_range_options_are_usage_errors(tmp_path, args, message):
 
 
 @pytest.mark.slow
-def test_two_concurrent_runs_into_one_folder_record_both_whole(kaggle_dir, tmp_path):
+def test_two_concurrent_runs_of_one_configuration_each_keep_their_own_files(kaggle_dir, tmp_path):
     small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:201])
     results = tmp_path / "results"
-    commands = [[sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", strategy, "--epochs", "2",
-                 "--data", str(small), "--results", str(results), "--verbose", "0"]
-                for strategy in ("single", "layers")]
-    with processes(commands, tmp_path, [ENV, ENV]) as started:
+    command = [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "single", "--epochs", "2",
+               "--data", str(small), "--results", str(results), "--verbose", "0"]
+    with processes([command, command], tmp_path, [ENV, ENV]) as started:
         outputs = [process.communicate(timeout=300)[0] for process in started]
     assert [process.returncode for process in started] == [0, 0], outputs
     lines = (results / "runs.csv").read_text().splitlines()
     assert lines[0].startswith("timestamp,model,") and sum(line.startswith("timestamp,") for line in lines) == 1
-    assert sorted(line.split(",")[2] for line in lines[1:]) == ["layers", "single"]
-    log = [line.split()[1:3] for line in (results / "results.log").read_text().splitlines()]
-    assert sorted(fields[1] for fields in log if fields[0] in ("start", "end")) == \
-        sorted(["model=cnn2d_2layer_fullconnected_2layer"] * 4)
+    recorded = list(csv.DictReader(lines))
+    assert len({row["run_id"] for row in recorded}) == len({row["epoch_csv"] for row in recorded}) == 2
+    for row in recorded:  # each row names its own file, which holds that run's two epochs and nothing else
+        assert row["epoch_csv"] == f"runs/{row['run_id']}/{RUN_NAME}.csv"
+        epochs = list(csv.DictReader((results / row["epoch_csv"]).open()))
+        assert [e["epoch"] for e in epochs] == ["1", "2"]
+        assert float(row["train_seconds"]) == pytest.approx(sum(float(e["train_seconds"]) for e in epochs), abs=1e-3)
+        assert (results / "runs" / row["run_id"] / f"{RUN_NAME}.weights.h5").stat().st_size > 0
+    latest = (results / f"{RUN_NAME}.csv").read_bytes()  # the configuration's file: one whole run's copy
+    assert latest in [(results / row["epoch_csv"]).read_bytes() for row in recorded]
+    assert (results / f"{RUN_NAME}.weights.h5").exists()
+    log = (results / "results.log").read_text().splitlines()
+    for row in recorded:
+        assert [line.split()[1] for line in log if line.endswith(f"[run {row['run_id']}]")] == \
+            ["start", "machine", "epoch", "epoch", "end"]
     assert run("report", "--results", results).exit_code == 0

@@ -67,7 +67,9 @@ def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, tmp_
     ratio = float(mirrored["images_per_second"]) / float(single["images_per_second"])
     assert float(mirrored["speedup"]) == pytest.approx(ratio, abs=1e-4)
     assert float(mirrored["efficiency"]) == pytest.approx(ratio / 2, abs=1e-4)
-    assert mirrored["epoch_csv"] == CSV_NAME.format("mirrored_2dev") and mirrored["epochs"] == "3"
+    assert mirrored["epoch_csv"] == f"runs/{mirrored['run_id']}/{CSV_NAME.format('mirrored_2dev')}"
+    assert mirrored["epochs"] == "3"
+    assert (tmp_path / mirrored["epoch_csv"]).read_bytes() == (tmp_path / CSV_NAME.format("mirrored_2dev")).read_bytes()
     epochs = read(tmp_path / CSV_NAME.format("single_1dev"))
     after_first = [float(r["images_per_second"]) for r in epochs[1:]]
     assert float(single["images_per_second"]) == pytest.approx(statistics.median(after_first), abs=0.01)
@@ -132,12 +134,12 @@ def test_runs_csv_and_the_sweep_summary_agree_on_speedup(small_cnn, tmp_path, tr
     train(small_cnn(), tmp_path, epochs=2)  # the Single baseline at batch 64
     train(small_cnn(), tmp_path, epochs=2, strategy="layers")
     train(small_cnn(), tmp_path, epochs=2, batch_size=32, strategy="mirrored")  # no Single run at batch 32
-    recorded = {r["epoch_csv"]: r for r in read(tmp_path / "runs.csv")}
+    recorded = {r["strategy"]: r for r in read(tmp_path / "runs.csv")}
     summary = {row["strategy"]: row for row in experiments.summarize(tmp_path)}
     assert sorted(summary) == ["layers", "mirrored", "single"]
-    assert float(recorded[CSV_NAME.format("layers_2dev")]["speedup"]) == \
+    assert float(recorded["layers"]["speedup"]) == \
         pytest.approx(summary["layers"]["speedup"], abs=1e-4)
-    assert recorded[CSV_NAME.format("mirrored_2dev")]["speedup"] == ""  # no baseline at this batch ...
+    assert recorded["mirrored"]["speedup"] == ""  # no baseline at this batch ...
     assert summary["mirrored"]["speedup"] != summary["mirrored"]["speedup"]  # ... in the summary either (NaN)
 
 
@@ -157,7 +159,8 @@ def test_a_rerun_that_fails_before_its_first_epoch_leaves_the_previous_file(smal
     with pytest.raises(RuntimeError, match="boom"):
         train(small_cnn(), tmp_path, callbacks=[Explode()])
     assert path.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "results.log", "runs.csv"])  # no temp
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, "results.log", "runs", "runs.csv"])
+    assert len(list((tmp_path / "runs").iterdir())) == 1  # the failed run left no folder and no temporary file
 
 
 def test_a_runs_csv_of_unknown_columns_is_refused_before_training_and_left_alone(small_cnn, tmp_path, train):

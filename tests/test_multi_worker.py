@@ -96,7 +96,7 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
     assert result.returncode == 0, result.stderr[-3000:]
     run_name = RUNS[kind]
     assert sorted(os.listdir(tmp_path / "results")) == \
-        [f"{run_name}.csv", f"{run_name}.weights.h5", "results.log", "runs.csv"]
+        [f"{run_name}.csv", f"{run_name}.weights.h5", "results.log", "runs", "runs.csv"]
     assert epoch_column(tmp_path / "results" / f"{run_name}.csv") == [1, 2, 3]
     (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
     assert float(run["val_accuracy"]) >= FLOORS[kind], run

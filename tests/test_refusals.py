@@ -78,10 +78,13 @@ def test_results_weights_and_exports_are_created_as_the_umask_says(small_csv, tm
     assert result.exit_code == 0, result.output
     modes = {path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
              for path in tmp_path.rglob("*") if path.parent != tmp_path}
+    (run_id,) = os.listdir(tmp_path / "results" / "runs")
+    run_files = [f"cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev{suffix}"
+                 for suffix in (".csv", ".weights.h5")]
     assert {name: mode for name, mode in modes.items() if name.startswith("results/")} == {
-        f"results/{name}": 0o640 for name in ("runs.csv", "results.log", *(
-            f"cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev{suffix}" for suffix in (".csv",
-                                                                                                     ".weights.h5")))}
+        **{f"results/{name}": 0o640 for name in ("runs.csv", "results.log", *run_files)},
+        **{f"results/runs/{run_id}/{name}": 0o640 for name in run_files},
+        "results/runs": 0o750, f"results/runs/{run_id}": 0o750}
     exported = {name: mode for name, mode in modes.items() if name.startswith("models/digits/1")}
     assert exported["models/digits/1"] == 0o750 and exported["models/digits/1/saved_model.pb"] == 0o640
     assert set(exported.values()) <= {0o750, 0o640}
