@@ -10,6 +10,9 @@ committed), then reads each one in fresh processes, interleaved over rounds:
   every value validated, float32 images) and ``cnnpar.data.read_kaggle_csv(labeled=False)`` (test.csv, as
   ``cnnpar predict`` reads it), scaled to float32 images as pandas' are.
 
+Then the same train.csv with one bad value in its last row: how long cnnpar takes to
+refuse it, and its peak memory, against reading the valid file (target: at most 1.5x both).
+
 Peak memory is the child's peak RSS (``VmHWM``, reset after its imports) above
 its RSS after its imports. Targets:
 cnnpar no slower than pandas, and its peak at most twice the final arrays.
@@ -45,6 +48,12 @@ if reader == "pandas":
     images = (values[:, 1:] if labeled else values).astype(np.float32)
     images /= 255.0
     arrays = images.nbytes + (values[:, 0].nbytes if labeled else 0)
+elif reader == "cnnpar-refused":
+    try:
+        data.load(path)
+        raise SystemExit(f"{path} was read; expected a refusal")
+    except data.DataError:
+        arrays = 1
 elif labeled:
     digits = data.load(path)
     arrays = digits.x.nbytes + digits.y.nbytes
@@ -69,6 +78,8 @@ def write_files(folder):
     np.savetxt(folder / "train.csv", train, fmt="%d", delimiter=",", header=",".join(data.TRAIN_HEADER), comments="")
     test = pixels[np.resize(np.arange(len(digits)), 28_000)]
     np.savetxt(folder / "test.csv", test, fmt="%d", delimiter=",", header=",".join(data.PIXEL_HEADER), comments="")
+    text = (folder / "train.csv").read_text()
+    (folder / "bad.csv").write_text(text.rstrip("\n").rsplit(",", 1)[0] + ",x\n")  # the last row's last value
 
 
 def measure(reader, path, labeled):
@@ -101,6 +112,22 @@ def main():
             ratio = statistics.median(r[0] for r in figures["cnnpar"]) / statistics.median(
                 r[0] for r in figures["pandas"])
             print(f"  cnnpar / pandas time = {ratio:.2f}x  (target <= 1.00x)")
+        refusal(folder, rounds)
+
+
+def refusal(folder, rounds):
+    """cnnpar refusing train.csv with a bad value in its last row, against reading the valid file."""
+    figures = {"valid": [], "refused": []}
+    for _ in range(rounds):
+        figures["valid"].append(measure("cnnpar", folder / "train.csv", True))
+        figures["refused"].append(measure("cnnpar-refused", folder / "bad.csv", True))
+    (valid_seconds, valid_peak), (refused_seconds, refused_peak) = (
+        [statistics.median(run[i] for run in runs) for i in (0, 1)] for runs in figures.values())
+    print(f"\nbad.csv (train.csv with a bad value in its last row), median of {rounds} fresh processes each")
+    print(f"  valid   {valid_seconds:6.2f} s   peak +{valid_peak:6.0f} MiB")
+    print(f"  refused {refused_seconds:6.2f} s   peak +{refused_peak:6.0f} MiB")
+    print(f"  refused / valid: time {refused_seconds / valid_seconds:.2f}x, peak {refused_peak / valid_peak:.2f}x "
+          f"(target <= 1.50x both)")
 
 
 if __name__ == "__main__":

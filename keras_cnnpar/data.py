@@ -20,6 +20,7 @@ Example:
 """
 
 import dataclasses
+import itertools
 import re
 import warnings
 from pathlib import Path
@@ -119,10 +120,12 @@ def read_kaggle_csv(path, *, labeled=True):
     ``labeled=True`` expects ``train.csv`` (``label,pixel0..pixel783``), ``False``
     expects ``test.csv`` (``pixel0..pixel783``) and returns ``labels=None``. A
     UTF-8 byte-order mark (Excel's "CSV UTF-8") and blank lines at the end are
-    fine. Values must be plain integers: numpy's C reader reads a valid file
-    at the speed of the field's tools; only when it finds a problem is the
-    file read again line by line to name the first bad value (file,
-    line, column, expected, received).
+    fine. The file is read once, in blocks of lines that numpy's C reader
+    parses straight to uint8 (which refuses anything but a plain integer in
+    0..255); only a block it refuses is halved until the bad line is found
+    and read line by line, to accept what is only written differently
+    (``12.0``) or to name the first bad value (file, line, column, expected,
+    received). So a bad value costs about what a valid file does, wherever it is.
 
     >>> read_kaggle_csv("missing.csv")
     Traceback (most recent call last):
@@ -132,16 +135,23 @@ def read_kaggle_csv(path, *, labeled=True):
     if not path.is_file():
         raise DataError(f"{path}: file not found. Received: path={path}")
     layout = _CsvLayout(labeled)
+    blocks, number, blank = [], 2, None
     with open(path, encoding="utf-8-sig", errors="replace") as file:
-        first = file.readline()
-    layout.check_header(path, first)
-    read = _read_fast(path, layout)
-    return read if read is not None else _split_columns(_read_checked(path, layout), labeled)
-
-
-def _split_columns(values, labeled):
-    """``(pixels uint8 [N, 784], labels int32 or None)`` of the rows' values."""
+        layout.check_header(path, file.readline())
+        while block := list(itertools.islice(file, BLOCK_LINES)):
+            lines, blank = _without_blank_end(path, layout, block, number, blank)
+            blocks.append(_parse(path, layout, lines, number))
+            number += len(block)
+    values = np.concatenate(blocks) if blocks else np.zeros((0, len(layout.header)), np.uint8)
+    if not len(values):
+        raise layout.no_rows(path)
     return values[:, -PIXELS:], values[:, 0].astype(np.int32) if labeled else None
+
+
+#: Lines parsed at once; a block numpy's reader refuses is halved until it has at most ``CHECKED_LINES`` lines,
+#: which are then read line by line.
+BLOCK_LINES = 4096
+CHECKED_LINES = 32
 
 
 class _CsvLayout:
@@ -165,53 +175,75 @@ class _CsvLayout:
         return DataError(f"{path}: the file has a header but no rows; expected rows of {self.expected}. "
                          f"Received: 0 rows")
 
+    def wrong_count(self, path, number, count):
+        return DataError(f"{path}, line {number}: expected {self.expected}. Received: {count} values")
 
-def _read_fast(path, layout):
-    """``(pixels, labels)`` through numpy's C reader (``np.loadtxt``), or None when it finds a problem (then
-    the checked reader names it). Every value parses straight to uint8, which refuses anything but a plain
-    integer in 0..255 (``1e2``, ``12.7``, ``256``, ``-1``, an empty value, ``nan``); the rows grow in place,
-    so the peak memory is about the uint8 values themselves."""
+
+def _without_blank_end(path, layout, block, first, blank):
+    """``block`` (its first line is line ``first``) without the blank lines at its end, and the number of the
+    first blank line of the file's end so far (``blank``: the earlier blocks'), or None. Blank lines are fine
+    only at the end of the file: a line after them is refused, naming the first."""
+    end = len(block)
+    while end and not block[end - 1].strip():
+        end -= 1
+    if end and blank is not None:
+        raise layout.wrong_count(path, blank, 1)
+    if end == len(block):
+        return block, None
+    return block[:end], first + end if blank is None else blank
+
+
+def _parse(path, layout, lines, first):
+    """uint8 values of ``lines``, the first of them line ``first``: numpy's C reader, in ever smaller halves where
+    it refuses, and line by line once a refused part is small (:data:`CHECKED_LINES`)."""
+    values = _numpy_values(lines, layout)
+    if values is not None:
+        return values
+    if len(lines) <= CHECKED_LINES:
+        return _checked_values(path, layout, lines, first)
+    half = len(lines) // 2
+    return np.concatenate([_parse(path, layout, lines[:half], first),
+                           _parse(path, layout, lines[half:], first + half)])
+
+
+def _numpy_values(lines, layout):
+    """``lines`` parsed by numpy's C reader (``np.loadtxt``) straight to uint8, or None where it refuses them."""
+    if not lines:
+        return np.zeros((0, len(layout.header)), np.uint8)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "input contained no data": the checked reader says so
+        warnings.simplefilter("ignore", UserWarning)
         try:
-            values = np.loadtxt(path, delimiter=",", dtype=np.uint8, skiprows=1, ndmin=2, encoding="utf-8-sig")
+            values = np.loadtxt(lines, delimiter=",", dtype=np.uint8, comments=None, ndmin=2)
         except ValueError:
             return None
-    if not len(values) or values.shape[1] != len(layout.header):
+    if values.shape != (len(lines), len(layout.header)):
         return None
-    labels = values[:, 0].astype(np.int32) if layout.labeled else None
-    if labels is not None and labels.max() > NUM_CLASSES - 1:
+    if layout.labeled and values[:, 0].max() > NUM_CLASSES - 1:
         return None
-    return values[:, -PIXELS:], labels
+    return values
 
 
 #: A number as the checked reader accepts it: plain decimal, or nan/inf (rejected later with their own message).
 _NUMBER = re.compile(r"\s*[+-]?(\d+(\.\d*)?|\.\d+|nan|inf|infinity)\s*", re.IGNORECASE)
 
 
-def _read_checked(path, layout):
-    """Read ``path`` line by line and raise a ``DataError`` naming the first bad line, column and value."""
-    with open(path, encoding="utf-8-sig", errors="replace") as file:
-        lines = file.read().splitlines()[1:]
-    while lines and not lines[-1].strip():
-        lines.pop()
-    if not lines:
-        raise layout.no_rows(path)
+def _checked_values(path, layout, lines, first):
+    """Read ``lines`` one by one and raise a ``DataError`` naming the first bad line, column and value."""
     rows = []
-    for number, line in enumerate(lines, start=2):
-        row = line.split(",")
+    for number, line in enumerate(lines, start=first):
+        row = line.rstrip("\r\n").split(",")
         if len(row) != len(layout.header):
-            raise DataError(f"{path}, line {number}: expected {layout.expected}. Received: {len(row)} values")
+            raise layout.wrong_count(path, number, len(row))
         for column, text in zip(layout.header, row):
             if not _NUMBER.fullmatch(text):
                 raise DataError(f"{path}, line {number}, column {column}: expected a number. Received: {text!r}")
         rows.append(row)
     values = np.array(rows, dtype=np.float64)
-    _check_range(path, values, layout.header)
+    _check_range(path, values, layout.header, first)
     return values.astype(np.uint8)
 
 
-def _check_range(path, values, header):
+def _check_range(path, values, header, first):
     checks = [(np.isfinite(values), "expected a finite number")]
     if header[0] == "label":
         label = values[:, :1]
@@ -225,7 +257,7 @@ def _check_range(path, values, header):
     for ok, expectation in checks:
         if not ok.all():
             row, column = np.argwhere(~ok)[0]
-            raise DataError(f"{path}, line {row + 2}, column {header[column]}: {expectation}. "
+            raise DataError(f"{path}, line {row + first}, column {header[column]}: {expectation}. "
                             f"Received: {values[row, column]:g}")
 
 

@@ -96,9 +96,44 @@ def test_a_byte_order_mark_and_blank_lines_at_the_end_are_fine(tmp_path):
     assert pixels[0].tolist() == [255] * 784 and pixels[1].tolist() == [0] * 784
 
 
-def test_the_fast_and_the_checked_reader_agree(tmp_path, digits):
+def test_values_written_differently_read_as_the_plain_file_and_only_their_lines_are_read_one_by_one(
+        tmp_path, digits, monkeypatch):
     train_path, _ = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
-    fast = data.read_kaggle_csv(train_path)
-    checked = data._read_checked(train_path, data._CsvLayout(labeled=True))
-    np.testing.assert_array_equal(fast[0], checked[:, 1:])
-    np.testing.assert_array_equal(fast[1], checked[:, 0])
+    plain = data.read_kaggle_csv(train_path)
+    lines = train_path.read_text().splitlines()
+    lines[1000] = ",".join(f" {value}.0 " for value in lines[1000].split(","))  # numpy's uint8 reader refuses it
+    written = write_lines(tmp_path / "written.csv", lines)
+    checked = []
+    real = data._checked_values
+    monkeypatch.setattr(data, "_checked_values", lambda *args: checked.append(len(args[2])) or real(*args))
+    read = data.read_kaggle_csv(written)
+    np.testing.assert_array_equal(read[0], plain[0])
+    np.testing.assert_array_equal(read[1], plain[1])
+    assert 0 < sum(checked) <= data.CHECKED_LINES  # one small part around line 1,001, not the file
+
+
+@pytest.mark.parametrize("line", [2, 1001, -1], ids=["first", "middle", "last"])
+def test_a_bad_value_anywhere_is_named_after_one_reading_of_the_file(tmp_path, digits, monkeypatch, line):
+    train_path, _ = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
+    lines = train_path.read_text().splitlines()
+    number = line if line > 0 else len(lines)
+    values = lines[number - 1].split(",")
+    values[5] = "x"
+    lines[number - 1] = ",".join(values)
+    bad = write_lines(tmp_path / "bad.csv", [*lines, ""])
+    checked = []
+    real = data._checked_values
+    monkeypatch.setattr(data, "_checked_values", lambda *args: checked.append(len(args[2])) or real(*args))
+    with pytest.raises(data.DataError) as refused:
+        data.read_kaggle_csv(bad)
+    assert str(refused.value) == f"{bad}, line {number}, column pixel4: expected a number. Received: 'x'"
+    assert sum(checked) <= data.CHECKED_LINES
+
+
+def test_a_line_after_blank_lines_is_refused_naming_the_first_blank_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "BLOCK_LINES", 2)  # the blank lines end one block, the line starts the next
+    path = write_lines(tmp_path / "train.csv", [HEADER, row(label="7", pixel="1"), "", "", row(label="1", pixel="0")])
+    with pytest.raises(data.DataError) as refused:
+        data.read_kaggle_csv(path)
+    assert str(refused.value) == f"{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). " \
+                                 f"Received: 1 values"
