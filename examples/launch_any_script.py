@@ -7,7 +7,8 @@ first, then one ``fit`` call whose ``strategy=`` picks the parallelism.
 and ``CNNPAR_MULTI_WORKER=1`` on each and run the same script. Only the chief
 (worker 0) writes results.
 
-Run: cnnpar launch --workers 2 -- python examples/launch_any_script.py [--epochs 2] [--examples 4000]
+Run: cnnpar launch --workers 2 -- python examples/launch_any_script.py [--epochs 2] [--examples 4000] \\
+         [--keras-logs logs]
 """
 
 import argparse
@@ -21,6 +22,8 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--examples", type=int, default=4000, help="training digits to use (the rest validate)")
 parser.add_argument("--results", default="results")
+parser.add_argument("--keras-logs", help="a folder for Keras's own ModelCheckpoint, CSVLogger and TensorBoard "
+                                         "(only the chief's files land there)")
 args = parser.parse_args()
 
 digits = cnnpar.data.load()
@@ -42,6 +45,11 @@ model = keras.Sequential([
 ], name="launched_cnn")
 model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
+callbacks = [] if args.keras_logs is None else [
+    keras.callbacks.ModelCheckpoint(f"{args.keras_logs}/last.keras"),
+    keras.callbacks.CSVLogger(f"{args.keras_logs}/epochs.csv"),
+    keras.callbacks.TensorBoard(f"{args.keras_logs}/tensorboard"),
+]
 history = cnnpar.fit(model, train_data, validation_data=val_data, epochs=args.epochs, strategy="multi-worker",
-                     results_dir=args.results, verbose=2)
+                     results_dir=args.results, callbacks=callbacks, verbose=2)
 print(f"final validation accuracy {history.history['val_accuracy'][-1]:.4f}")

@@ -22,7 +22,7 @@ import importlib
 import os
 
 from keras_cnnpar import hardware, registry
-from keras_cnnpar.cluster import JOIN_AT_IMPORT
+from keras_cnnpar.cluster import JOIN_AT_IMPORT, cluster_in_environment
 
 hardware.onednn_at_import()  # before TensorFlow starts: oneDNN's kernels where TensorFlow would leave them off
 
@@ -43,8 +43,8 @@ _DEPRECATED = ("layers",)
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
-if os.environ.get(JOIN_AT_IMPORT) == "1" and os.environ.get("TF_CONFIG"):
-    # A worker started by `cnnpar launch` (or set up so on a host): join the cluster before any model exists.
+if os.environ.get(JOIN_AT_IMPORT) == "1" and cluster_in_environment():
+    # A worker started by `cnnpar launch` (or set up so on a host, or by srun): join before any model exists.
     importlib.import_module("keras_cnnpar.strategies.multi_worker").joined(
         timeout=float(os.environ.get("CNNPAR_COLLECTIVE_TIMEOUT", "60")))
 

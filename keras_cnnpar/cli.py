@@ -11,6 +11,7 @@ import time
 import click
 
 from keras_cnnpar import __version__, arguments, registry, runs, startup
+from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.subprocesses import python_command
 
 MODELS = list(runs.MODEL_NAMES)
@@ -132,7 +133,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     from keras_cnnpar import strategies
 
     if workers is not None and strategy_name == "multi-worker":
-        if not os.environ.get("TF_CONFIG"):
+        if not cluster_lib.cluster_in_environment():
             return _launch_workers(workers)
         _check_worker_count(workers)
         workers = None
@@ -255,15 +256,16 @@ def _refuse_to_overwrite(paths, force):
 
 
 def _check_worker_count(workers):
-    """In a worker that TF_CONFIG describes, --workers must agree with it."""
-    from keras_cnnpar import cluster
+    """In a worker that TF_CONFIG (or a Slurm job step) describes, --workers must agree with it."""
+    from keras_cnnpar.strategies import multi_worker
 
+    source = "the Slurm job step" if cluster_lib.slurm_step() else "TF_CONFIG"
     try:
-        task = cluster.Task.parse()
+        task = multi_worker.environment_task()
     except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="TF_CONFIG") from None
+        raise click.BadParameter(str(error), param_hint=source) from None
     if task.num_workers != workers:
-        raise click.BadParameter(f"TF_CONFIG holds {task.num_workers} workers. Received: --workers {workers}",
+        raise click.BadParameter(f"{source} holds {task.num_workers} workers. Received: --workers {workers}",
                                  param_hint="--workers")
 
 
@@ -519,26 +521,46 @@ def predict(model_dir, test_csv, out, force):
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--workers", type=click.IntRange(min=1), required=True, help="Worker processes to start.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes to start (under srun: one per Slurm task, this option optional).")
+@click.option("--network", "network_kind", type=click.Choice(["private", "host"]), default="private",
+              show_default=True, help="private: the workers see only their own loopback (nothing can reach their "
+                                      "servers; they reach no remote service); host: this machine's network.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def launch(workers, command):
+def launch(workers, network_kind, command):
     """Run any training script once per worker on this machine under MultiWorker, as torchrun does.
 
     \b
       cnnpar launch --workers 2 -- python train.py --epochs 3
 
-    Each process gets its own TF_CONFIG on loopback (in a private network
-    namespace where the user may make one) and joins the cluster when it
-    imports keras_cnnpar, so the script may build its model first and call
-    model.fit(..., strategy="multi-worker") later. The chief's output is
-    streamed; a failing worker fails the command, naming it; SIGTERM and
-    Ctrl-C are passed on. The same script runs on several hosts with
-    TF_CONFIG and CNNPAR_MULTI_WORKER=1 set on each.
+    Each process gets its own TF_CONFIG on loopback and joins the cluster when
+    it imports keras_cnnpar, so the script may build its model first and call
+    model.fit(..., strategy="multi-worker") later. By default the workers run
+    in a private network namespace (where the user may make one): only their
+    own loopback, so nothing can reach their unauthenticated TensorFlow
+    servers, and a script cannot download data or log to a remote service;
+    --network host gives them this machine's network (and a warning that the
+    servers listen on its interfaces). The chief's output is streamed; a
+    failing worker fails the command, naming it; SIGTERM and Ctrl-C are passed
+    on. The same script runs on several hosts with TF_CONFIG and
+    CNNPAR_MULTI_WORKER=1 set on each. Under srun (a Slurm job step, no
+    TF_CONFIG) each Slurm task is one worker: the command runs once, in this
+    process's network, and joins the cluster that TensorFlow's
+    SlurmClusterResolver builds from Slurm's variables:
+
+    \b
+      srun --ntasks-per-node=1 cnnpar launch -- python train.py --epochs 3
     """
-    from keras_cnnpar import cluster, local_workers
+    from keras_cnnpar import local_workers
 
     command = [sys.executable if command[0] in ("python", "python3") else command[0], *command[1:]]
-    code = local_workers.launch(command, workers, env={cluster.JOIN_AT_IMPORT: "1"})
+    if cluster_lib.slurm_step():
+        if workers is not None:
+            _check_worker_count(workers)
+        os.execvpe(command[0], command, {**os.environ, cluster_lib.JOIN_AT_IMPORT: "1"})
+    if workers is None:
+        raise click.UsageError("Missing option '--workers' (needed outside a Slurm job step).")
+    code = local_workers.launch(command, workers, env={cluster_lib.JOIN_AT_IMPORT: "1"}, network_kind=network_kind)
     if code:
         sys.exit(code)
 

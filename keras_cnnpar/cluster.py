@@ -30,6 +30,28 @@ from keras_cnnpar.network import free_ports, route_address
 JOIN_AT_IMPORT = "CNNPAR_MULTI_WORKER"
 
 
+#: The first port of a cluster built from a Slurm job step (a node's tasks take the next ones); TensorFlow's default.
+SLURM_PORT = "CNNPAR_SLURM_PORT"
+
+
+def slurm_step():
+    """Whether this process is a task of a Slurm job step (``srun`` sets ``SLURM_PROCID`` and
+    ``SLURM_STEP_NODELIST``) and no ``TF_CONFIG`` says otherwise: the cluster is then built from Slurm's
+    variables, one worker per task (``keras_cnnpar.strategies.multi_worker.environment_task``).
+
+    >>> import os; os.environ.pop("TF_CONFIG", None); os.environ.pop("SLURM_PROCID", None)
+    >>> slurm_step()
+    False
+    """
+    return not os.environ.get("TF_CONFIG") and all(os.environ.get(name) for name in ("SLURM_PROCID",
+                                                                                     "SLURM_STEP_NODELIST"))
+
+
+def cluster_in_environment():
+    """Whether the environment describes this process's cluster: ``TF_CONFIG``, or a Slurm job step."""
+    return bool(os.environ.get("TF_CONFIG")) or slurm_step()
+
+
 #: Jobs whose tasks train; the rest (``ps``, ``evaluator``) do not count as workers.
 TRAINING_JOBS = ("chief", "worker")
 

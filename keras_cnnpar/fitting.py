@@ -22,7 +22,7 @@ import tensorflow as tf
 from keras_cnnpar import arguments, hardware, provenance, runs, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
-from keras_cnnpar.user_callbacks import UserModelCallbacks
+from keras_cnnpar.user_callbacks import UserModelCallbacks, chief_writes
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
@@ -49,7 +49,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         precision=precision, fused_optimizer=bool(fused_optimizer), resume=bool(resume) or strategy.resume,
         record=_run_record(model, strategy, batch_size, precision, data) if strategy.keeps_checkpoints else {})
     run = strategy.prepare(model, settings)
-    with contextlib.closing(run):  # its processes and temporary files end with this call, failed or not
+    with (contextlib.closing(run),  # its processes and temporary files end with this call, failed or not
+          chief_writes(callbacks, strategy.is_chief) as callbacks):
         _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
         initial_epoch = run.resume_epoch(initial_epoch)
         if settings.resume and run.checkpoint and initial_epoch >= epochs:

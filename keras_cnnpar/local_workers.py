@@ -42,20 +42,39 @@ class WorkerFailed(RuntimeError):
         super().__init__(f"worker {index} {what}" + (f"; its last output:\n{output}" if output else ""))
 
 
-def launch(command, workers, env=None):
+#: The launcher's first line, for each network its workers get.
+NETWORK_LINES = {
+    "private": "cnnpar launch: {workers} worker(s) in a private network namespace: loopback only, no other network "
+               "(nothing outside can reach their servers, and a script cannot reach the internet or a remote "
+               "service; --network host gives them this machine's network)",
+    "host": "cnnpar launch: {workers} worker(s) on this machine's network (--network host)",
+}
+
+
+def launch(command, workers, env=None, network_kind="private"):
     """Run ``command`` (an argv list) once per worker on this machine, as ``torchrun`` does; return the exit code.
 
-    Where Linux lets an ordinary user make namespaces (``unshare --user --net``),
-    the workers run in a private network namespace of their own: its loopback
-    is theirs alone, so the TensorFlow servers they start, which listen on
-    every interface, cannot be reached from any other host or process. Without
-    that, one line warns that the servers are reachable and how to block them.
-    A failure prints ``Error: worker I ...`` and returns that worker's exit code
-    (1 for a signal); SIGTERM and SIGINT are passed on (see
-    :func:`run_local_workers`), and a second SIGINT kills every worker.
-    ``env`` adds variables to the workers' environment.
+    With ``network_kind="private"`` (the default), where Linux lets an ordinary
+    user make namespaces (``unshare --user --net``), the workers run in a
+    private network namespace of their own: its loopback is theirs alone, so
+    the TensorFlow servers they start, which listen on every interface, cannot
+    be reached from any other host or process; nor can the workers reach
+    anything outside. ``"host"`` (or no namespaces) gives them this
+    machine's network, and one line warns that the servers are reachable and
+    how to block them. The first line printed says which it is. A failure
+    prints ``Error: worker I ...`` and returns that worker's exit code (1 for
+    a signal); SIGTERM and SIGINT are passed on (see :func:`run_local_workers`),
+    and a second SIGINT kills every worker. ``env`` adds variables to the
+    workers' environment.
     """
-    if not network.private_network_available():
+    if network_kind == "private" and not network.private_network_available():
+        print("cnnpar launch: no private network namespace for this user here "
+              "(`unshare --user --net` is refused), so the workers use this machine's network",
+              file=sys.stderr, flush=True)
+        network_kind = "host"
+    else:
+        print(NETWORK_LINES[network_kind].format(workers=workers), file=sys.stderr, flush=True)
+    if network_kind == "host":
         print(network.exposure_warning("local workers"), file=sys.stderr, flush=True)
         return _run_and_report(command, workers, env=env)
     inner = python_command("-m", "keras_cnnpar.local_workers", "--workers", str(workers), "--", *command)

@@ -33,7 +33,12 @@ completed epoch.
 (2, True)
 """
 
+import contextlib
+import copy
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 import keras
 
@@ -57,6 +62,62 @@ def reads_batch_logs(callbacks):
     """
     return any(reads_batch_logs(callback.callbacks) if isinstance(callback, UserModelCallbacks)
                else bool(_with_batch_hooks([callback])) for callback in callbacks)
+
+
+#: Keras's callbacks that write files, and the argument naming where (a file or a folder).
+FILE_WRITERS = {
+    keras.callbacks.ModelCheckpoint: "filepath",
+    keras.callbacks.CSVLogger: "filename",
+    keras.callbacks.TensorBoard: "log_dir",
+    keras.callbacks.BackupAndRestore: "backup_dir",
+}
+
+
+@contextlib.contextmanager
+def chief_writes(callbacks, is_chief, worker="worker"):
+    """``callbacks`` as a worker of a cluster runs them: only the chief writes where the user said.
+
+    On the chief (and in a single process) they are the user's own. On another
+    worker every callback that writes files (:data:`FILE_WRITERS`, subclasses
+    included) is replaced by a copy that writes into a temporary folder of
+    this process, removed when the block ends, so the paths the user named hold
+    the chief's files and nothing else; the copies still run, so every worker
+    does the same work at the same steps. A ``BackupAndRestore`` copy starts
+    from the chief's backup, when this worker can read it (a shared folder), so
+    every worker resumes at the same epoch, as Keras 2 did.
+
+    >>> import tempfile
+    >>> logger = keras.callbacks.CSVLogger("log.csv")
+    >>> with chief_writes([logger], is_chief=False) as (copy_of_logger,):
+    ...     copy_of_logger.filename.startswith(tempfile.gettempdir()), logger.filename
+    (True, 'log.csv')
+    """
+    if is_chief or not callbacks:
+        yield callbacks
+        return
+    folder = Path(tempfile.mkdtemp(prefix=f"cnnpar-{worker}-callbacks-"))
+    try:
+        yield [_writing_into(callback, folder / str(index)) for index, callback in enumerate(callbacks)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _writing_into(callback, folder):
+    """``callback`` itself if it writes no file, else a copy that writes into ``folder``."""
+    kind = next((kind for kind in FILE_WRITERS if isinstance(callback, kind)), None)
+    if kind is None:
+        return callback
+    target = Path(getattr(callback, FILE_WRITERS[kind]))
+    if kind is keras.callbacks.BackupAndRestore:  # its paths are fixed when it is created: create another
+        if target.is_dir():
+            shutil.copytree(target, folder / "backup")
+        return keras.callbacks.BackupAndRestore(str(folder / "backup"), save_freq=callback.save_freq,
+                                                delete_checkpoint=callback.delete_checkpoint,
+                                                double_checkpoint=callback.double_checkpoint)
+    folder.mkdir(parents=True)
+    moved = copy.copy(callback)
+    setattr(moved, FILE_WRITERS[kind], str(folder / target.name))
+    return moved
 
 
 class UserModelCallbacks(keras.callbacks.Callback):

@@ -76,6 +76,30 @@ def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path)
     assert not (tmp_path / "host1" / "results").exists()
 
 
+def slurm_env(net, index, hosts_count=2):
+    """The variables ``srun --ntasks-per-node=1`` sets in task ``index`` (the node names are the hosts' addresses)."""
+    nodes = f"{hosts.SUBNET}.[1-{hosts_count}]"
+    return {**{key: value for key, value in ENV.items() if key != "TF_CONFIG"},
+            "SLURM_PROCID": str(index), "SLURM_NODEID": str(index), "SLURM_LOCALID": "0",
+            "SLURM_NTASKS": str(hosts_count), "SLURM_STEP_NUM_TASKS": str(hosts_count),
+            "SLURM_JOB_NODELIST": nodes, "SLURM_STEP_NODELIST": nodes,
+            "SLURM_STEP_TASKS_PER_NODE": f"1(x{hosts_count})", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_a_two_host_run_started_from_slurm_variables_alone_trains_and_only_the_chief_writes(tmp_path):
+    script = cnnpar("launch", "--", "python", str(EXAMPLES / "launch_any_script.py"), "--epochs", "1",
+                    "--examples", "400", "--keras-logs", "logs")
+    with hosts.Hosts(2) as net:
+        started = [start(net, i, script, tmp_path / f"host{i}", slurm_env(net, i)) for i in range(2)]
+        codes = [process.wait(timeout=180) for process in started]
+    assert codes == [0, 0], output(tmp_path / "host0")[-3000:] + output(tmp_path / "host1")[-3000:]
+    assert f"worker 1: joining the cluster {{'worker': ['{net.address(0)}:8888', '{net.address(1)}:8888']}}" in \
+        output(tmp_path / "host1")
+    assert len(read_rows(tmp_path / "host0" / "results" / runs.run_file_name("launched_cnn", "multi-worker", 2))) == 1
+    assert (tmp_path / "host0" / "logs" / "last.keras").exists()
+    assert sorted(p.name for p in (tmp_path / "host1").iterdir()) == ["output.log"]  # no results, no Keras logs
+
+
 def test_a_host_whose_link_goes_down_fails_the_other_within_the_timeout_and_nothing_is_left(tmp_path, small_csv):
     command = train(small_csv, "--strategy", "multi-worker", "--workers", "2", "--epochs", "100",
                     "--collective-timeout", "10")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, network
+from keras_cnnpar import checkpoints, local_workers, network
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -314,14 +314,42 @@ def cnnpar_launch(*script_args):
 
 
 def test_launch_runs_a_users_script_that_builds_its_model_first_and_only_the_chief_writes(tmp_path):
-    result = subprocess.run(cnnpar_launch("--epochs", "2"), cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                            timeout=300)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = subprocess.run(cnnpar_launch("--epochs", "2", "--keras-logs", "logs"), cwd=tmp_path,
+                            env={**ENV, "TMPDIR": str(temporary)}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "RuntimeWarning" not in result.stderr
+    # Keras's own callbacks: exactly the chief's files where the script said, and nothing the others wrote left.
+    assert sorted(p.relative_to(tmp_path / "logs").parts[:2] for p in (tmp_path / "logs").rglob("*") if p.is_file()) \
+        == [("epochs.csv",), ("last.keras",), ("tensorboard", "train"), ("tensorboard", "validation")]
+    assert len(list((tmp_path / "logs" / "tensorboard" / "train").glob("events.out.tfevents.*"))) == 1
+    assert [row["epoch"] for row in read_rows(tmp_path / "logs" / "epochs.csv")] == ["0", "1"]
+    assert list(temporary.iterdir()) == []
     (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
     assert (run["model"], run["strategy"], run["devices"], run["epochs"]) == ("launched_cnn", "multi-worker", "2", "2")
     assert float(run["val_accuracy"]) > 0.5
     assert epoch_column(tmp_path / "results" / f"{LAUNCHED}.csv") == [1, 2]
     assert result.stdout.count("final validation accuracy") == 1  # the chief's output only
+
+
+@pytest.mark.parametrize("network_kind", ["private", "host"])
+def test_launch_says_which_network_the_workers_have_and_host_gives_them_this_machines(tmp_path, network_kind):
+    show = "import os; print('network', os.readlink('/proc/self/ns/net'))"
+    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "launch", "--workers", "1", "--network",
+                             network_kind, "--", "python", "-c", show], cwd=tmp_path, env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    (worker_network,) = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("network ")]
+    first = result.stderr.splitlines()[0]
+    if network_kind == "host" or not network.private_network_available():
+        assert worker_network == os.readlink("/proc/self/ns/net")
+        assert "warning: the TensorFlow servers of the local workers listen on every network interface" in result.stderr
+    else:
+        assert worker_network != os.readlink("/proc/self/ns/net")
+        assert first == local_workers.NETWORK_LINES["private"].format(workers=1)
+    if network_kind == "host":
+        assert first == local_workers.NETWORK_LINES["host"].format(workers=1)
 
 
 def test_launch_names_a_killed_worker_within_a_minute(tmp_path):

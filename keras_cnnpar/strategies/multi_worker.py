@@ -3,8 +3,11 @@
 import contextlib
 import faulthandler
 import json
+import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 
 import keras
@@ -68,8 +71,9 @@ class MultiWorker(CheckpointedStrategy):
     ...                     strategy="multi-worker")  # doctest: +SKIP
 
     Args:
-        cluster: None reads ``TF_CONFIG``; else a ``TF_CONFIG``-style dict or the
-            path of a JSON file holding one.
+        cluster: None reads ``TF_CONFIG`` or, without it, under ``srun``, the
+            Slurm job step's variables (:func:`slurm_tf_config`); else a
+            ``TF_CONFIG``-style dict or the path of a JSON file holding one.
         checkpoint_dir: folder of the preemption checkpoints (one sub-folder per
             run configuration); None turns preemption handling off.
         resume: restore the checkpoint of a preempted run, if there is one.
@@ -97,7 +101,7 @@ class MultiWorker(CheckpointedStrategy):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
                          accumulate=accumulate)
         self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
-        self.task = cluster_lib.Task.parse(cluster)
+        self.task = cluster_lib.Task.parse(cluster) if cluster is not None else environment_task()
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)
         self._strategy = joined(self.task, self.timeout)
@@ -179,11 +183,50 @@ def joined(task=None, timeout=60):
     process. ``import keras_cnnpar`` calls it when ``cnnpar launch`` started the process, so the cluster is
     joined before any model exists; a later ``MultiWorker()`` of the same task gets the same strategy (and the
     collective timeout it was joined with)."""
-    task = task or cluster_lib.Task.parse()
+    task = task or environment_task()
     key = json.dumps(task.tf_config(), sort_keys=True)
     if key not in _JOINED:
         _JOINED[key] = _join_cluster(task, timeout)
     return _JOINED[key]
+
+
+def environment_task():
+    """This process's task as the environment describes it: ``TF_CONFIG``, else the Slurm job step that ``srun``
+    started (:func:`slurm_tf_config`), else a ``ValueError`` that says how to give one."""
+    return cluster_lib.Task.parse(slurm_tf_config() if cluster_lib.slurm_step() else None)
+
+
+def slurm_tf_config():
+    """The ``TF_CONFIG`` of this Slurm task, from TensorFlow's ``SlurmClusterResolver``: one worker per task
+    of the job step, at ``<node>:<port>`` from port ``CNNPAR_SLURM_PORT`` (default 8888) on, worker 0 the chief.
+
+    >>> import os
+    >>> os.environ.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="node[1-2]",
+    ...                   SLURM_STEP_TASKS_PER_NODE="1(x2)")
+    >>> slurm_tf_config()
+    {'cluster': {'worker': ['node1:8888', 'node2:8888']}, 'task': {'type': 'worker', 'index': 1}}
+    >>> for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
+    ...     del os.environ[name]
+    """
+    gpus = _gpus_on_node()
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 1)
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(  # a CPU node: one "device" per task
+        port_base=int(os.environ.get(cluster_lib.SLURM_PORT, 8888)), gpus_per_node=gpus or tasks,
+        gpus_per_task=None if gpus else 1, auto_set_gpu=bool(gpus))
+    cluster = resolver.cluster_spec().as_dict()
+    task_type, index = resolver.get_task_info()
+    return {"cluster": cluster, "task": {"type": task_type, "index": index}}
+
+
+def _gpus_on_node():
+    """The node's GPUs as Slurm's resolver counts them (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``); 0 without."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([device for device in visible.split(",") if device.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
+    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
 
 
 def _join_cluster(task, timeout):
