@@ -37,14 +37,20 @@ class RunCheckpoint:
         config: the run's configuration (model, strategy, devices, global batch,
             data, ...), recorded beside the checkpoint; resuming with another
             one is an error that names each difference.
+        may_change: keys of ``config`` that a resume may change (``"devices"``
+            for a strategy that resumes on another number of workers); the
+            differences in them are listed in :attr:`changes` instead.
     """
 
     #: The file beside the checkpoint that records the configuration of its run.
     CONFIG = "run.json"
 
-    def __init__(self, model, directory, resume, config=None):
+    def __init__(self, model, directory, resume, config=None, may_change=()):
         self.directory = Path(directory)
         self.config = dict(config or {})
+        self.may_change = tuple(may_change)
+        #: What changed since the checkpoint, among ``may_change`` (``["devices 2 (checkpoint) vs 3 (this run)"]``).
+        self.changes = []
         if not resume and self.holds_checkpoint():
             raise ValueError(f"{self.directory} holds the checkpoint of an interrupted run; pass resume=True "
                              f"(cnnpar train --resume) to continue it, or delete the folder to start over. "
@@ -83,9 +89,10 @@ class RunCheckpoint:
             self.checkpoint.restore(latest).assert_existing_objects_matched()
         return self.completed_epochs
 
-    def _differences(self, recorded):
+    def _differences(self, recorded, keys=None):
         return [f"{key} {recorded.get(key)!r} (checkpoint) vs {value!r} (this run)"
-                for key, value in self.config.items() if recorded.get(key, value) != value]
+                for key, value in self.config.items()
+                if recorded.get(key, value) != value and (keys is None or key in keys)]
 
     def _refuse_another_configuration(self):
         """A resume whose configuration has no checkpoint, beside the checkpoint of another one (its folder's
@@ -104,7 +111,10 @@ class RunCheckpoint:
         path = self.directory / self.CONFIG
         if not self.config or not path.exists():
             return
-        differences = self._differences(json.loads(path.read_text(encoding="utf-8")))
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        fixed = [key for key in self.config if key not in self.may_change]
+        differences = self._differences(recorded, fixed)
+        self.changes = self._differences(recorded, self.may_change)
         if differences:
             raise ValueError(f"{self.directory} holds the checkpoint of another configuration: "
                              f"{'; '.join(differences)}. Resume with the checkpoint's settings, or delete the folder "

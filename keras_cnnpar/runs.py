@@ -113,8 +113,13 @@ class RunInfo:
 
 
 def run_file_name(model_name, strategy, devices, suffix=".csv"):
-    """Name of a run configuration's file (its per-epoch CSV by default), in the original project's convention."""
-    return f"{model_name}_{FRAMEWORK}_{strategy}_{devices}dev{suffix}"
+    """Name of a run configuration's file (its per-epoch CSV by default), in the original project's convention;
+    ``devices=None`` leaves the device count out (the checkpoint of a strategy that resumes on another count).
+
+    >>> run_file_name("m", "multi-worker", None, "")
+    'm_keras_tensorflow_multi-worker'
+    """
+    return f"{model_name}_{FRAMEWORK}_{strategy}" + ("" if devices is None else f"_{devices}dev") + suffix
 
 
 def weights_files(row):

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ pytestmark = pytest.mark.slow  # worker processes: `pytest -m "not slow"` leaves
 
 JOB = Path(__file__).with_name("multi_worker_job.py")
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
+CHECKPOINT = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker"  # any number of workers
 RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"}
 #: The exit code of a preempted worker, as docs/strategies.md documents it.
 PREEMPTED = 42
@@ -109,6 +111,7 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, ki
 
 @pytest.mark.parametrize("target", ["launcher", "worker 1"])
 def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
+    """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes)."""
     results = tmp_path / "results"
     # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
@@ -123,19 +126,26 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
                      r"to continue", output)
-    checkpoint = folder / RUN
+    checkpoint = folder / CHECKPOINT
     assert (checkpoint / "preemption" / "checkpoint").exists() and (checkpoint / "run.json").exists()
     assert sorted(os.listdir(checkpoint)) == ["preemption", "run.json"]  # worker 1's temporary copy is gone
     assert another_run.is_dir()  # and no other run's folder went with it
     another_run.parent.rename(tmp_path / "kept")
     done = epoch_column(results / f"{RUN}.csv")
 
-    result = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+    workers = "1" if target == "launcher" else "3"
+    resume = [*command[:command.index("--workers") + 1], workers, *command[command.index("--workers") + 2:]]
+    result = subprocess.run([*resume, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3, 4, 5, 6]
-    shown = f"results/checkpoints/{RUN}" if target == "launcher" else str(checkpoint)
-    assert f"layout resumed from {shown} after epoch {done[-1]}" in (results / "results.log").read_text()
+    shown = f"results/checkpoints/{CHECKPOINT}" if target == "launcher" else str(checkpoint)
+    # The resumed run has an epoch CSV of its own configuration's, from the epoch after the checkpoint's.
+    assert epoch_column(results / f"{RUN.replace('_2dev', f'_{workers}dev')}.csv") == list(range(done[-1] + 1, 7))
+    assert f"layout resumed from {shown} after epoch {done[-1]}; changed since: devices 2 (checkpoint) vs " \
+           f"{workers} (this run); the global batch 64 is divided among the {workers} replicas now" in \
+           (results / "results.log").read_text()
+    (resumed,) = [row for row in read_rows(results / "runs.csv") if row["devices"] == workers]
+    assert (resumed["global_batch"], resumed["epochs"]) == ("64", "6") and float(resumed["val_accuracy"]) > 0.5
     assert not folder.exists() and not (results / "checkpoints").exists()
 
 
@@ -166,6 +176,37 @@ def test_resuming_with_another_configuration_refuses_and_names_each_difference(t
         f"data 'd1' (checkpoint) vs 'd2' (this run). Resume with the checkpoint's settings, or delete the folder to "
         f"start over. Received: resume=True")
     assert checkpoints.RunCheckpoint(model, folder, resume=True, config=config).restore() == 1
+
+
+def test_an_elastic_resume_accepts_another_worker_count_says_so_and_still_refuses_other_data(tmp_path):
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    folder = tmp_path / "checkpoints" / CHECKPOINT
+    config = {"model": "small_cnn", "strategy": "multi-worker", "devices": 2, "global_batch": 64, "data": "d1"}
+    checkpoints.RunCheckpoint(model, folder, resume=False, config=config).save(completed_epochs=1)
+    elastic = checkpoints.RunCheckpoint(model, folder, resume=True, config={**config, "devices": 3},
+                                        may_change=("devices",))
+    assert elastic.changes == ["devices 2 (checkpoint) vs 3 (this run)"] and elastic.restore() == 1
+    with pytest.raises(ValueError, match=r"holds the checkpoint of another configuration: data 'd1' \(checkpoint\) "
+                                         r"vs 'd2' \(this run\)\. "):
+        checkpoints.RunCheckpoint(model, folder, resume=True, config={**config, "devices": 3, "data": "d2"},
+                                  may_change=("devices",))
+    assert cnnpar.MultiWorker.elastic and cnnpar.AsyncPS.elastic
+
+
+def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
+    """A collective that timed out names no task (a link gone down): the lost peers are those that accept no
+    connection; a message that names tasks is taken at its word."""
+    from keras_cnnpar import cluster as cluster_lib
+    from keras_cnnpar.strategies import multi_worker
+
+    with socket.create_server(("localhost", 0)) as listening:
+        live, (dead,) = f"localhost:{listening.getsockname()[1]}", network.free_ports(1)
+        task = cluster_lib.Task({"worker": [live, f"localhost:{dead}", live]}, "worker", 0)
+        assert multi_worker._lost_peers(task, "Collective has timed out during execution.") == \
+            ["/job:worker/replica:0/task:1"]
+        assert multi_worker._lost_peers(task, "from /job:worker/replica:0/task:2 and /job:worker/replica:0/task:0") \
+            == ["/job:worker/replica:0/task:2"]
 
 
 def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
@@ -301,7 +342,7 @@ def test_a_closed_terminal_preempts_the_workers_as_sigterm_does(tmp_path, small_
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert still_alive_after(workers, seconds=0) == []
-    assert (tmp_path / "results" / "checkpoints" / RUN / "preemption" / "checkpoint").exists()
+    assert (tmp_path / "results" / "checkpoints" / CHECKPOINT / "preemption" / "checkpoint").exists()
 
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "launch_any_script.py"

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, checkpoints, network, precise_bn, rebuild
+from keras_cnnpar import arguments, network, precise_bn, rebuild
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import async_remote, base, loop
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -124,6 +124,7 @@ class AsyncPS(CheckpointedStrategy):
     min_devices = 2
     device_option = "workers"
     needs_cluster = True
+    elastic = True
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
                  warmup_steps=64, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False,
@@ -210,8 +211,7 @@ class AsyncPS(CheckpointedStrategy):
         self.build_optimizer(prepared)
         checkpoint = None
         if self.checkpoint_dir is not None:
-            checkpoint = checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
-                                                   dict(settings.record))
+            checkpoint = self.run_checkpoint(prepared, settings)
             checkpoint.restore()
         return AsyncRun(self, connection, settings, prepared, checkpoint)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import keras
 
-from keras_cnnpar import accumulation, arguments, rebuild, registry, runs
+from keras_cnnpar import accumulation, arguments, checkpoints, rebuild, registry, runs
 
 names = registry.names
 
@@ -286,10 +286,17 @@ class Run:
         return max(initial_epoch, completed)
 
     def resumed_line(self):
-        """The report's line about a restored checkpoint, or None."""
+        """The report's line about a restored checkpoint (and what changed since, on an elastic strategy), or
+        None."""
         if self.checkpoint is None or not self.checkpoint.completed_epochs:
             return None
-        return f"resumed from {self.checkpoint.directory} after epoch {self.checkpoint.completed_epochs}"
+        line = f"resumed from {self.checkpoint.directory} after epoch {self.checkpoint.completed_epochs}"
+        changes = self.checkpoint.changes
+        if changes:
+            line += (f"; changed since: {'; '.join(changes)}; the global batch "
+                     f"{self.settings.record.get('global_batch')} is divided among the {self.strategy.num_replicas} "
+                     f"replicas now, and the learning rate and its schedule go on from the checkpoint")
+        return line
 
     def fit(self, train, **fit_kwargs):
         """Train the prepared model on the batched dataset ``train``; return Keras's ``History``."""
@@ -320,6 +327,8 @@ class CheckpointedStrategy(Strategy):
     """
 
     keeps_checkpoints = True
+    #: Whether a run may resume on another number of devices (workers); its checkpoint's name then holds none.
+    elastic = False
 
     def __init__(self, *, checkpoint_dir, resume, timeout, **options):
         super().__init__(**options)
@@ -329,7 +338,14 @@ class CheckpointedStrategy(Strategy):
 
     def checkpoint_folder(self, prepared):
         """The folder of this run configuration's checkpoint."""
-        return Path(self.checkpoint_dir) / runs.run_file_name(prepared.name, self.alias, self.devices, "")
+        devices = None if self.elastic else self.devices
+        return Path(self.checkpoint_dir) / runs.run_file_name(prepared.name, self.alias, devices, "")
+
+    def run_checkpoint(self, prepared, settings):
+        """The :class:`~keras_cnnpar.checkpoints.RunCheckpoint` of a run of ``prepared`` with ``settings``, in
+        :meth:`checkpoint_folder`; an elastic strategy's accepts another device count."""
+        return checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
+                                         dict(settings.record), may_change=("devices",) if self.elastic else ())
 
     def build_optimizer(self, prepared):
         """Create the optimizer's variables under the strategy, so the checkpoint holds them from the start."""

@@ -13,7 +13,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import arguments, checkpoints, local_workers, rebuild
+from keras_cnnpar import arguments, local_workers, network, rebuild
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -90,9 +90,10 @@ class MultiWorker(CheckpointedStrategy):
     """
 
     description = "sync data parallel across processes, see --workers"
-    min_devices = 2
+    min_devices = 1  # a cluster of one worker: a run resumed on fewer hosts
     device_option = "workers"
     needs_cluster = True
+    elastic = True
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
 
@@ -140,8 +141,7 @@ class MultiWorker(CheckpointedStrategy):
         checkpoint = None
         if self.checkpoint_dir is not None:
             self.build_optimizer(prepared)
-            checkpoint = _PreemptionCheckpoint(self._strategy, self.task, prepared, self.checkpoint_folder(prepared),
-                                               settings.resume, dict(settings.record))
+            checkpoint = _PreemptionCheckpoint(self._strategy, self.task, self.run_checkpoint(prepared, settings))
         return MultiWorkerRun(self, settings, prepared, checkpoint)
 
 
@@ -165,14 +165,24 @@ class MultiWorkerRun(base.Run):
             return self.model.fit(strategy.distribute(train), validation_data=validation, callbacks=callbacks,
                                   shuffle=False, **fit_kwargs)
         except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as error:
-            own = f"/job:{task.type}/replica:0/task:{task.index}"
-            lost = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", error.message)) - {own})
+            lost = _lost_peers(task, error.message)
             raise PeerLost(f"{task.type} {task.index}: training stopped because a peer failed or did not "
                            f"answer within timeout={strategy.timeout} s; lost: {', '.join(lost) or 'unknown'}. "
                            f"({type(error).__name__})") from error
         finally:
             if self.checkpoint is not None:
                 self.checkpoint.stop_watching()
+
+
+def _lost_peers(task, message):
+    """The peers of ``task`` that a failed collective lost: those its error ``message`` names, else (a collective
+    that timed out names none) those that accept no TCP connection now, as ``/job:worker/replica:0/task:1``."""
+    own = f"/job:{task.type}/replica:0/task:{task.index}"
+    named = sorted(set(re.findall(r"/job:\w+/replica:\d+/task:\d+", message)) - {own})
+    if named:
+        return named
+    silent = (name.split(":") for name in network.unreachable(task.cluster))
+    return sorted({f"/job:{job}/replica:0/task:{index}" for job, index in silent} - {own})
 
 
 _JOINED = {}
@@ -290,12 +300,13 @@ class _PreemptionCheckpoint:
     removed when they finish.
     """
 
-    def __init__(self, strategy, task, prepared, directory, resume, config):
-        self.directory = directory
+    def __init__(self, strategy, task, run_checkpoint):
         self.task = task
+        self._run = run_checkpoint
+        self.directory = directory = run_checkpoint.directory
+        self.changes = run_checkpoint.changes
         #: The folders that this worker creates (the deepest first): a worker that is not the chief leaves none.
         self._created = [folder for folder in (directory, *directory.parents) if not folder.exists()]
-        self._run = checkpoints.RunCheckpoint(prepared, directory, resume, config)
         self._sigterm = signal.getsignal(signal.SIGTERM)
         config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
         self._handler = tf.distribute.experimental.PreemptionCheckpointHandler(  # restores a checkpoint it finds
