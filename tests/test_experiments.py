@@ -88,7 +88,7 @@ def test_the_plan_runs_each_strategy_on_the_device_counts_it_declares():
     names = registry.names()
     configs, skipped = experiments.plan(["2+2", "3+3"], names, [1, 2, 3, 4])
     planned = {(c.strategy, c.devices) for c in configs if c.model == "2+2"}
-    assert planned == {("single", 1), ("hybrid", 4),
+    assert planned == {("single", 1), ("hybrid", 4), ("multi-worker", 1),  # one worker: an elastic resume's
                        *((name, n) for name in names if name not in ("single", "hybrid") for n in (2, 3, 4))}
     assert len(configs) == 2 * len(planned)
     assert "single on 4 devices: single runs on 1 device" in skipped
