@@ -1,6 +1,7 @@
-"""One worker of a test cluster: ``TF_CONFIG=... python tests/multi_worker_job.py MODE OUT``.
+"""One worker of a test cluster: ``TF_CONFIG=... python tests/multi_worker_job.py MODE[,MODE...] OUT``.
 
-Modes:
+Runs each mode in turn on the cluster it joined once (each with a ``MultiWorker`` of
+its own), writing under ``OUT-MODE``. Modes:
 
 - ``step``: one SGD step of the small test CNN on 64 fixed digits under
   ``MultiWorker``; every worker saves its weights to ``OUT.<index>.npz``.
@@ -51,10 +52,14 @@ def local_slice(strategy, batch):
     return strategy._tf_strategy().experimental_local_results(x)[0].numpy()
 
 
+MODES = {"step": (1, one_step), "accumulate": (2, lambda strategy, out: one_step(strategy, out, batch_size=32)),
+         "residual": (1, lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64")),
+         "shards": (1, shards)}
+
+
 if __name__ == "__main__":
-    mode, out = sys.argv[1:3]
-    # First: join the cluster before TensorFlow starts.
-    worker = cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=2 if mode == "accumulate" else 1)
-    {"step": one_step, "accumulate": lambda strategy, out: one_step(strategy, out, batch_size=32),
-     "residual": lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64"),
-     "shards": shards}[mode](worker, out)
+    modes, out = sys.argv[1].split(","), sys.argv[2]
+    for mode in modes:
+        accumulate, run = MODES[mode]
+        # The first joins the cluster before TensorFlow starts; the others share its cluster.
+        run(cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=accumulate), f"{out}-{mode}")

@@ -45,12 +45,16 @@ RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_m
 PREEMPTED = 42
 
 
-def run_job(mode, tmp_path, timeout=180):
-    out = tmp_path / mode
-    with processes([[sys.executable, str(JOB), mode, str(out)]] * 2, tmp_path, worker_envs()) as started:
-        outputs = [p.communicate(timeout=timeout)[0] for p in started]
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The outputs of one pair of worker processes that ran every mode of ``tests/multi_worker_job.py`` in turn:
+    ``job(mode)`` is the prefix of that mode's files."""
+    folder = tmp_path_factory.mktemp("job")
+    with processes([[sys.executable, str(JOB), "step,accumulate,residual,shards", str(folder / "out")]] * 2, folder,
+                   worker_envs()) as started:
+        outputs = [p.communicate(timeout=300)[0] for p in started]
     assert [p.returncode for p in started] == [0, 0], outputs
-    return out
+    return lambda mode: folder / f"out-{mode}"
 
 
 def cnnpar_train(*args):
@@ -63,8 +67,8 @@ def cnnpar_train(*args):
     # the resnet in float64, BatchNormalization over both workers' halves: Single's step
     ("residual", build_resnet_float64, "single", 1e-5),
 ])
-def test_one_sgd_step_matches_one_device(tmp_path, digits, mode, builder, reference_strategy, tolerance):
-    out = run_job(mode, tmp_path)
+def test_one_sgd_step_matches_one_device(job, digits, mode, builder, reference_strategy, tolerance):
+    out = job(mode)
     reference = builder(seed=1)
     cnnpar.fit(reference, digits.x[::78][:64], digits.y[::78][:64], strategy=reference_strategy,
                batch_size=64, epochs=1, shuffle=False, verbose=0, results_dir=None)
@@ -75,8 +79,8 @@ def test_one_sgd_step_matches_one_device(tmp_path, digits, mode, builder, refere
     assert max_difference(chief, builder(seed=1).get_weights()) > 1e-3
 
 
-def test_each_worker_gets_a_different_slice_of_every_batch(tmp_path):
-    out = run_job("shards", tmp_path)
+def test_each_worker_gets_a_different_slice_of_every_batch(job):
+    out = job("shards")
     seen = [json.loads(Path(f"{out}.{i}.json").read_text()) for i in (0, 1)]
     for epoch in range(2):
         first, second = seen[0][epoch], seen[1][epoch]
