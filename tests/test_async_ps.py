@@ -145,18 +145,25 @@ def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path,
         assert coordinator.returncode == 1, output[-3000:]
         assert waited < 60
         checkpoint = f"results/checkpoints/{CHECKPOINT}"
-        assert re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch [23]: its variables are gone; the "
-                         rf"checkpoint after epoch [12] is in {checkpoint}; restart the servers and rerun with "
-                         r"resume=True \(cnnpar train --resume\)", output), output[-3000:]
+        lost = re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch [23]: its variables are gone; the "
+                         rf"checkpoint after epoch ([12]) is in {checkpoint}; restart the servers and rerun with "
+                         r"resume=True \(cnnpar train --resume\)", output)
+        assert lost, output[-3000:]
+        saved = int(lost.group(1))
         subprocess.run(stop, env=ENV, check=True, capture_output=True, timeout=60)
-        subprocess.run(start, env=ENV, check=True, capture_output=True, timeout=120)
+        # The servers come back with a third worker: an elastic resume, the global batch kept.
+        subprocess.run([*start, "--workers", "3"], env=ENV, check=True, capture_output=True, timeout=120)
         resumed = subprocess.run([*command, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                                  timeout=400)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     finally:
         subprocess.run(stop, env=ENV, capture_output=True, timeout=60)
-    assert epoch_column(results / f"{RUN}.csv") == [1, 2, 3]
-    assert re.search(rf"layout resumed from {checkpoint} after epoch \d", (results / "results.log").read_text())
+    assert epoch_column(results / f"{RUN.replace('_2dev', '_3dev')}.csv") == list(range(saved + 1, 4))
+    log = (results / "results.log").read_text()
+    assert f"layout resumed from {checkpoint} after epoch {saved}; changed since: devices 2 (checkpoint) vs 3 (this " \
+           f"run); each of the 3 workers still takes whole global batches of 32" in log
+    (resumed_row,) = [row for row in rows(results / "runs.csv") if row["devices"] == "3"]
+    assert (resumed_row["global_batch"], resumed_row["epochs"]) == ("32", "3")
     assert not (results / "checkpoints").exists()
 
 

@@ -36,7 +36,8 @@ def small_csv(tmp_path_factory, digits):
 
 def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, tmp_path):
     results = tmp_path / "results"
-    sweep = ["sweep", "--models", "2+2,3+3", "--strategies", "single,mirrored", "--devices", "1,2",
+    # One model: the cross product of models and strategies is the plan's test (below); this one runs a sweep.
+    sweep = ["sweep", "--models", "2+2", "--strategies", "single,mirrored", "--devices", "1,2",
              "--epochs", "1", "--batch-size", "32", "--data", str(small_csv), "--results", str(results)]
     done = CliRunner().invoke(cli.main, sweep)  # this process plans; every configuration trains in a fresh one
     assert done.exit_code == 0, done.output[-2000:]
@@ -44,8 +45,7 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     assert "skip mirrored on 1 devices: mirrored needs at least 2 devices" in done.output
     runs = read(results / "runs.csv")
     assert sorted((r["model"][:17], r["strategy"]) for r in runs) == [
-        ("cnn2d_2layer_full", "mirrored"), ("cnn2d_2layer_full", "single"),
-        ("cnn2d_3layer_full", "mirrored"), ("cnn2d_3layer_full", "single")]
+        ("cnn2d_2layer_full", "mirrored"), ("cnn2d_2layer_full", "single")]
     epochs = read(results / runs[0]["epoch_csv"])
     assert {"grad_parity_max_abs_diff", "grad_parity_verdict", "shard_overlap", "compute_seconds", "sync_seconds",
             "step_seconds"} <= set(epochs[0])
@@ -53,7 +53,7 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
 
     again = CliRunner().invoke(cli.main, sweep)  # resumes: nothing left to run
     assert again.exit_code == 0
-    assert [r["status"] for r in read(results / "sweep.csv")][4:] == ["already complete"] * 4
+    assert [r["status"] for r in read(results / "sweep.csv")][2:] == ["already complete"] * 2
 
     report = CliRunner().invoke(cli.main, ["report", "--results", str(results)])
     assert report.exit_code == 0, report.output[-2000:]

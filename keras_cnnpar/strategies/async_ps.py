@@ -168,6 +168,9 @@ class AsyncPS(CheckpointedStrategy):
     def local_devices(self):
         return 1
 
+    def batch_division(self, global_batch):
+        return f"each of the {self.workers} workers still takes whole global batches of {global_batch}"
+
     def __repr__(self):
         where = "local" if self.spec is None else "external"
         return f"<AsyncPS workers={self.workers} ps={self.ps} cluster={where} scale_lr={self.scale_lr}>"

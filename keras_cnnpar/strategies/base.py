@@ -293,9 +293,9 @@ class Run:
         line = f"resumed from {self.checkpoint.directory} after epoch {self.checkpoint.completed_epochs}"
         changes = self.checkpoint.changes
         if changes:
-            line += (f"; changed since: {'; '.join(changes)}; the global batch "
-                     f"{self.settings.record.get('global_batch')} is divided among the {self.strategy.num_replicas} "
-                     f"replicas now, and the learning rate and its schedule go on from the checkpoint")
+            line += (f"; changed since: {'; '.join(changes)}; "
+                     f"{self.strategy.batch_division(self.settings.record.get('global_batch'))}, and the learning "
+                     f"rate and its schedule go on from the checkpoint")
         return line
 
     def fit(self, train, **fit_kwargs):
@@ -346,6 +346,10 @@ class CheckpointedStrategy(Strategy):
         :meth:`checkpoint_folder`; an elastic strategy's accepts another device count."""
         return checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
                                          dict(settings.record), may_change=("devices",) if self.elastic else ())
+
+    def batch_division(self, global_batch):
+        """How a step's ``global_batch`` is divided now, for the line of a resume on another device count."""
+        return f"the global batch {global_batch} is divided among the {self.num_replicas} replicas now"
 
     def build_optimizer(self, prepared):
         """Create the optimizer's variables under the strategy, so the checkpoint holds them from the start."""
