@@ -166,12 +166,17 @@ def test_an_existing_checkpoint_needs_resume(tmp_path):
     assert checkpoints.RunCheckpoint(model, folder, resume=True).restore() == 1
 
 
-def test_resuming_with_another_configuration_refuses_and_names_each_difference(tmp_path):
+def saved_checkpoint(folder):
+    """The small CNN, ``folder`` and the configuration of the checkpoint after epoch 1 saved there."""
     model = build_small_cnn()
     model.optimizer.build(model.trainable_variables)
-    folder = tmp_path / "checkpoints" / RUN
     config = {"model": "small_cnn", "strategy": "multi-worker", "devices": 2, "global_batch": 64, "data": "d1"}
     checkpoints.RunCheckpoint(model, folder, resume=False, config=config).save(completed_epochs=1)
+    return model, folder, config
+
+
+def test_resuming_with_another_configuration_refuses_and_names_each_difference(tmp_path):
+    model, folder, config = saved_checkpoint(tmp_path / "checkpoints" / RUN)
     assert json.loads((folder / "run.json").read_text()) == config
     with pytest.raises(ValueError) as raised:
         checkpoints.RunCheckpoint(model, folder, resume=True, config={**config, "global_batch": 32, "data": "d2"})
@@ -183,11 +188,7 @@ def test_resuming_with_another_configuration_refuses_and_names_each_difference(t
 
 
 def test_an_elastic_resume_accepts_another_worker_count_says_so_and_still_refuses_other_data(tmp_path):
-    model = build_small_cnn()
-    model.optimizer.build(model.trainable_variables)
-    folder = tmp_path / "checkpoints" / CHECKPOINT
-    config = {"model": "small_cnn", "strategy": "multi-worker", "devices": 2, "global_batch": 64, "data": "d1"}
-    checkpoints.RunCheckpoint(model, folder, resume=False, config=config).save(completed_epochs=1)
+    model, folder, config = saved_checkpoint(tmp_path / "checkpoints" / CHECKPOINT)
     elastic = checkpoints.RunCheckpoint(model, folder, resume=True, config={**config, "devices": 3},
                                         may_change=("devices",))
     assert elastic.changes == ["devices 2 (checkpoint) vs 3 (this run)"] and elastic.restore() == 1
