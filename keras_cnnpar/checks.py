@@ -17,13 +17,18 @@ Example:
 >>> x, y = digits.x[:256], digits.y[:256]
 >>> strategy = cnnpar.DataParallel(devices=2)
 >>> checks = [GradientParityCheck(model, strategy, x[:64], y[:64]), ShardCheck(strategy, x, y, 64),
-...           StepTimeSplit(model, x[:64], y[:64])]
+...           StepTimeSplit(model, strategy, x[:64], y[:64])]
 >>> history = model.fit(x, y, batch_size=64, strategy=strategy, callbacks=checks, results_dir=None, verbose=0)
 >>> history.history["grad_parity_verdict"], history.history["shard_overlap"]
 (['pass'], [0.0])
+>>> history.history["time_split"], history.history["communication_share"][0] > 0  # the gradients' all-reduce
+(['trace'], True)
 """
 
+import contextlib
+import shutil
 import sys
+import tempfile
 import time
 
 import keras
@@ -31,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import fitting, rebuild, strategies
+from keras_cnnpar import fitting, rebuild, strategies, timesplit
 
 #: Largest max-abs first-step gradient difference that passes (float noise is ~1e-6; a bug is ~1e-2).
 PARITY_TOLERANCE = 1e-4
@@ -213,55 +218,108 @@ def max_overlap(batches):
 
 
 class StepTimeSplit(keras.callbacks.Callback):
-    """Splits the measured step time into compute and synchronization.
+    """Where the step's time goes: the compute, communication, input and idle shares of the last epoch.
 
-    Before training it times forward and backward of one global batch
-    ``(x, y)`` on one device with no strategy (the median of ``repeats``): the
-    compute a step needs. Each epoch, the step time is the training time over
-    its steps (validation excluded), and the rest (gradient sync, parameter
-    traffic, pipeline bubbles, dispatch) is ``sync_seconds``. The logs get
-    ``step_seconds``, ``compute_seconds``, ``sync_seconds`` and
-    ``sync_fraction``.
+    The last epoch's training (validation excluded) runs under TensorFlow's
+    profiler, and :mod:`keras_cnnpar.timesplit` sums the traced ops of this
+    process's devices by kind (a one-epoch run is measured on its first epoch,
+    whose first step also traces the step function: idle then counts that).
+    Every epoch's logs get ``step_seconds`` (its training time per step) and
+    ``compute_share``, ``communication_share``, ``input_share``, ``idle_share``
+    and ``time_split``, NaN and empty except on the measured epoch, where the
+    shares sum to 1 and ``time_split`` is ``trace``.
+
+    A strategy whose steps run in other processes (``steps_run_here`` is False:
+    async-ps's workers) leaves nothing to trace here, so its split is an
+    ``estimate``: before training, forward and backward of one global batch
+    on one device with no strategy is timed (the median of ``repeats``); the
+    workers' compute share is ``steps x that time / (workers x training
+    time)``, and the rest is communication.
 
     Args:
         model: the user's model.
+        strategy: the run's strategy.
         x, y: one global batch.
-        repeats: timed runs of the compute step.
+        repeats: timed runs of the single-device step (async-ps's estimate).
     """
 
-    def __init__(self, model, x, y, repeats=5):
+    def __init__(self, model, strategy, x, y, repeats=5):
         super().__init__()
-        self.reference, self.x, self.y, self.repeats = model, x, y, repeats
+        self.reference, self.strategy, self.x, self.y, self.repeats = model, strategy, x, y, repeats
         self.compute = float("nan")
+        self.folder, self._tracing = None, contextlib.ExitStack()
 
     def on_train_begin(self, logs=None):
-        copy = _sgd_copy(self.reference)
-        x, y = tf.constant(self.x), tf.constant(self.y)
-
-        @tf.function
-        def forward_backward():
-            with tf.GradientTape() as tape:
-                loss = copy.compute_loss(x=x, y=y, y_pred=copy(x, training=True), training=True)
-            return tape.gradient(loss, copy.trainable_variables)
-
-        forward_backward()
-        times = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
-            [g.numpy() for g in forward_backward()]
-            times.append(time.perf_counter() - start)
-        self.compute = float(np.median(times))
+        if not self.strategy.steps_run_here:
+            self.compute = _single_device_step_seconds(self.reference, self.x, self.y, self.repeats)
 
     def on_epoch_begin(self, epoch, logs=None):
+        self.measured = epoch == self.params.get("epochs", 1) - 1
+        if self.measured and self.strategy.steps_run_here:
+            self.folder = tempfile.mkdtemp(prefix="cnnpar-split-")
+            try:
+                self._tracing.enter_context(timesplit.traced(self.folder))
+            except tf.errors.AlreadyExistsError:  # the user's own profiler runs: no split this time
+                print("StepTimeSplit: another profiler session is running; the time split is not measured",
+                      file=sys.stderr)
+                self._discard_trace()
         self.start, self.train_seconds = time.perf_counter(), None
 
     def on_test_begin(self, logs=None):
-        self.train_seconds = self.train_seconds or time.perf_counter() - self.start
+        self._training_done()
 
     def on_epoch_end(self, epoch, logs=None):
+        self._training_done()
         steps = self.params.get("steps")  # no batch hook: a loop of its own then skips reading each step's logs
-        if logs is None or not steps:
-            return
-        step = (self.train_seconds or time.perf_counter() - self.start) / steps
-        logs.update(step_seconds=step, compute_seconds=self.compute, sync_seconds=max(step - self.compute, 0.0),
-                    sync_fraction=max(step - self.compute, 0.0) / step)
+        try:
+            if logs is None or not steps:
+                return
+            shares = self._shares(steps) if self.measured else {}
+            how = ("trace" if self.strategy.steps_run_here else "estimate") if shares else ""
+            logs.update(step_seconds=self.train_seconds / steps, time_split=how,
+                        **{f"{kind}_share": shares.get(kind, float("nan")) for kind in timesplit.KINDS})
+        finally:
+            self._discard_trace()
+
+    def on_train_end(self, logs=None):
+        self._training_done()  # a run stopped early: the profiler stops and its trace goes
+        self._discard_trace()
+
+    def _training_done(self):
+        if self.train_seconds is None:
+            self.train_seconds = time.perf_counter() - self.start
+        self._tracing.close()
+
+    def _discard_trace(self):
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def _shares(self, steps):
+        if not self.strategy.steps_run_here:
+            compute = min(steps * self.compute / (self.strategy.num_replicas * self.train_seconds), 1.0)
+            return {"compute": compute, "communication": 1.0 - compute, "input": 0.0, "idle": 0.0}
+        if self.folder is None:
+            return {}
+        optimizer = getattr(self.reference.optimizer, "name", None)
+        return timesplit.split(self.folder, self.train_seconds, self.strategy.local_devices, optimizer)
+
+
+def _single_device_step_seconds(model, x, y, repeats):
+    """The median time of forward and backward of ``(x, y)`` through a copy of ``model`` on one device."""
+    copy = _sgd_copy(model)
+    x, y = tf.constant(x), tf.constant(y)
+
+    @tf.function
+    def forward_backward():
+        with tf.GradientTape() as tape:
+            loss = copy.compute_loss(x=x, y=y, y_pred=copy(x, training=True), training=True)
+        return tape.gradient(loss, copy.trainable_variables)
+
+    forward_backward()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        [g.numpy() for g in forward_backward()]
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

@@ -92,7 +92,8 @@ def main():
                    "gradient applied (and synced) once.")
 @click.option("--checks", is_flag=True,
               help="Run the parity protocol's checks: first-step gradient parity with single, input sharding, "
-                   "and the compute/sync split of the step time; their figures go into the epoch CSV.")
+                   "and where the last epoch's time goes (compute, communication, input, idle, from a profiler "
+                   "trace); their figures go into the epoch CSV and runs.csv.")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Global batch, split across the devices.")
@@ -224,7 +225,8 @@ def _checks(model, strategy, train_part, batch_size):
 
     x, y = train_part.x[:batch_size], train_part.y[:batch_size]
     return [checks.GradientParityCheck(model, strategy, x, y),
-            checks.ShardCheck(strategy, train_part.x, train_part.y, batch_size), checks.StepTimeSplit(model, x, y)]
+            checks.ShardCheck(strategy, train_part.x, train_part.y, batch_size),
+            checks.StepTimeSplit(model, strategy, x, y)]
 
 
 def _mesh(value):

@@ -3,8 +3,8 @@
 The original protocol: every configuration gets its own CSV; speedup is T1/TN
 against the same model's Single run at the same global batch (the rule of
 ``runs.csv``, in :mod:`keras_cnnpar.runs`); efficiency is speedup / N, and below 80%
-means: check the input pipeline and the gradient sync before trusting the
-figures; parity is checked first.
+means: look where the time goes (the largest share of the measured time
+split names the cause) before trusting the figures; parity is checked first.
 
 Example:
 
@@ -31,7 +31,8 @@ from keras_cnnpar.subprocesses import dying_with_parent, python_command
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
-                   "parity", "grad_parity_max_abs_diff", "compute_seconds", "sync_seconds", "sync_fraction", "flag"]
+                   "parity", "grad_parity_max_abs_diff", "compute_share", "communication_share", "input_share",
+                   "idle_share", "flag"]
 EFFICIENCY_FLOOR = 0.8
 
 
@@ -140,29 +141,38 @@ def summarize(results_dir):
                "speedup": _number(speedup), "efficiency": _number(efficiency),
                "val_accuracy": _number(run["val_accuracy"]),
                "parity": last.get("grad_parity_verdict", "") or "n/a",
-               **{key: _number(last.get(key, "")) for key in
-                  ("grad_parity_max_abs_diff", "compute_seconds", "sync_seconds", "sync_fraction")}}
+               "grad_parity_max_abs_diff": _number(last.get("grad_parity_max_abs_diff", "")),
+               **{key: _number(run.get(key, "")) for key in runs.SPLIT_COLUMNS if key.endswith("_share")}}
         row["flag"] = likely_cause(row)
         rows.append(row)
     return sorted(rows, key=lambda r: (r["model"], r["strategy"] != "single", r["strategy"], r["devices"]))
 
 
-def likely_cause(row):
-    """Why a configuration's efficiency is below the floor, from its measured split; empty when it is not.
+#: What the largest share of a slow configuration's time split points at.
+CAUSES = {
+    "communication": "sync less often (accumulate) or fewer devices",
+    "idle": "the devices wait (pipeline bubbles, dispatch, stragglers): more micro-batches or a larger batch",
+    "input": "the input pipeline starves the devices",
+    "compute": "the devices share the same cores or memory, so splitting the work adds no compute",
+}
 
-    >>> likely_cause({"strategy": "mirrored", "efficiency": 0.4, "sync_fraction": 0.7, "parity": "pass"})
-    'efficiency 40% < 80%: 70% of the step is not single-device compute: check the gradient sync and communication'
+
+def likely_cause(row):
+    """Why a configuration's efficiency is below the floor: the largest share of its measured time split;
+    empty when the efficiency is not below it.
+
+    >>> print(likely_cause({"strategy": "mirrored", "efficiency": 0.4, "compute_share": 0.3, "communication_share": 0.6,
+    ...                     "input_share": 0.0, "idle_share": 0.1, "parity": "pass"}))
+    efficiency 40% < 80%: communication takes 60% of the devices' time: sync less often (accumulate) or fewer devices
     """
     if row["strategy"] == "single" or not row["efficiency"] < EFFICIENCY_FLOOR:
         return "" if row.get("parity") != "FAIL" else "gradient parity FAILED: a bug, not noise"
     head = f"efficiency {row['efficiency']:.0%} < {EFFICIENCY_FLOOR:.0%}: "
-    share = row.get("sync_fraction", math.nan)
-    if math.isnan(share):
-        return head + "no compute/sync split measured"
-    if share > 0.5:
-        return head + f"{share:.0%} of the step is not single-device compute: check the gradient sync and communication"
-    return head + (f"compute takes {1 - share:.0%} of the step: the devices share the same cores, or the "
-                   f"input pipeline starves them")
+    shares = {kind: row.get(f"{kind}_share", math.nan) for kind in CAUSES}
+    if all(math.isnan(share) for share in shares.values()):
+        return head + "no time split measured (cnnpar train --checks measures it)"
+    kind = max(shares, key=lambda k: -1.0 if math.isnan(shares[k]) else shares[k])
+    return head + f"{kind} takes {shares[kind]:.0%} of the devices' time: {CAUSES[kind]}"
 
 
 def write_report(results_dir):

@@ -311,7 +311,7 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
     try:
         trial.memory_estimate_mib = memory.estimate(model, strategy, batch_size, precision)["total"] / 2**20
         trial.parity, trial.parity_difference = _parity(model, strategy, x[:batch_size], y[:batch_size])
-        traces = strategy.alias != "async-ps"  # its steps run in other processes
+        traces = strategy.steps_run_here  # async-ps: its steps run in other processes
         folder = Path(tempfile.mkdtemp(prefix="cnnpar-plan-"))
         timer = _TrialTimer(folder if traces else None)
         copy = rebuild.rebuild(model, scope=contextlib.nullcontext())

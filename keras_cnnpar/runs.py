@@ -38,6 +38,7 @@ import dataclasses
 import errno
 import fcntl
 import io
+import math
 import os
 import secrets
 import statistics
@@ -68,7 +69,10 @@ RUNS_COLUMNS = [
     "loss", "accuracy", "val_loss", "val_accuracy",
     "train_seconds", "images_per_second", "speedup", "efficiency", "epoch_csv",
     "precision", "data", "run_id", "version", "tensorflow", "machine",
+    "compute_share", "communication_share", "input_share", "idle_share", "time_split",
 ]
+#: The columns of the last epoch's time split (``checks.StepTimeSplit``, in ``--checks`` runs), empty without one.
+SPLIT_COLUMNS = ("compute_share", "communication_share", "input_share", "idle_share", "time_split")
 BASELINE = "single"
 #: What a run and its Single baseline must share for a speedup to mean anything.
 BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")
@@ -225,8 +229,16 @@ def append_line(path, line):
 
 
 def run_throughput(epochs):
-    """Images/s of a run: the median over its epochs, leaving out the first (tracing) when there are more."""
-    measured = [float(e["images_per_second"]) for e in epochs[1:] or epochs if e["images_per_second"] != ""]
+    """Images/s of a run: the median over its epochs, leaving out the first (tracing) when there are more, and
+    the one run under the profiler for the time split (``time_split`` set) when another remains.
+
+    >>> run_throughput([{"images_per_second": 10}, {"images_per_second": 100}, {"images_per_second": 90,
+    ...                 "time_split": "trace"}])
+    100.0
+    """
+    timed = epochs[1:] or epochs
+    timed = [e for e in timed if not e.get("time_split")] or timed
+    measured = [float(e["images_per_second"]) for e in timed if e["images_per_second"] != ""]
     return round(statistics.median(measured), 2) if measured else ""
 
 
@@ -238,6 +250,18 @@ def single_throughput(rows, run):
 
     matching = [r for r in rows if r.get("strategy") == BASELINE and same(r) and _number(r.get("images_per_second"))]
     return _number(matching[-1]["images_per_second"]) if matching else None
+
+
+def _share(value):
+    """A split column's value as ``runs.csv`` holds it: a share to 4 places, the split's kind, or empty.
+
+    >>> _share(0.123456), _share(float("nan")), _share("trace"), _share("nan")
+    (0.1235, '', 'trace', '')
+    """
+    number = _number(value)
+    if number is None:
+        return value
+    return "" if math.isnan(number) else round(number, 4)
 
 
 def _number(text):
@@ -343,6 +367,7 @@ def append_run(results_dir, info, epochs):
             "train_seconds": round(sum(float(e["train_seconds"]) for e in epochs), 4),
             "images_per_second": throughput, "epoch_csv": info.epoch_csv,
             **{key: getattr(info, key) for key in ("precision", "data", "run_id", "version", "tensorflow", "machine")},
+            **{key: _share(last.get(key, "")) for key in SPLIT_COLUMNS},
         }
         row["speedup"], row["efficiency"] = speedup_and_efficiency(
             info.strategy, info.devices, throughput, single_throughput(_recorded_rows(path, migrated), row))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, experiments, registry, runs
+from keras_cnnpar import cli, experiments, registry, runs, timesplit
 from tests.helpers import (
     ENV,
     HEADER,
@@ -43,12 +43,19 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     assert done.exit_code == 0, done.output[-2000:]
     assert "skip single on 2 devices: single runs on 1 device" in done.output
     assert "skip mirrored on 1 devices: mirrored needs at least 2 devices" in done.output
-    runs = read(results / "runs.csv")
-    assert sorted((r["model"][:17], r["strategy"]) for r in runs) == [
+    recorded = read(results / "runs.csv")
+    assert sorted((r["model"][:17], r["strategy"]) for r in recorded) == [
         ("cnn2d_2layer_full", "mirrored"), ("cnn2d_2layer_full", "single")]
-    epochs = read(results / runs[0]["epoch_csv"])
-    assert {"grad_parity_max_abs_diff", "grad_parity_verdict", "shard_overlap", "compute_seconds", "sync_seconds",
-            "step_seconds"} <= set(epochs[0])
+    epochs = read(results / recorded[0]["epoch_csv"])
+    assert {"grad_parity_max_abs_diff", "grad_parity_verdict", "shard_overlap", "step_seconds", "time_split",
+            *runs.SPLIT_COLUMNS} <= set(epochs[0])
+    split = {r["strategy"]: r for r in recorded}  # the profiler's split of the (last) epoch, in runs.csv too
+    assert {r["time_split"] for r in recorded} == {"trace"}
+    for row in recorded:
+        assert sum(float(row[f"{kind}_share"]) for kind in timesplit.KINDS) \
+            == pytest.approx(1.0, abs=1e-3)
+    assert float(split["single"]["communication_share"]) == 0.0  # nothing leaves its one device
+    assert float(split["mirrored"]["communication_share"]) > 0.0  # the gradients' all-reduce
     assert {r["status"] for r in read(results / "sweep.csv")} == {"done"}
 
     again = CliRunner().invoke(cli.main, sweep)  # resumes: nothing left to run
@@ -60,9 +67,12 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     summary = read(results / "summary.csv")
     assert list(summary[0]) == experiments.SUMMARY_COLUMNS
     assert {r["parity"] for r in summary} == {"pass"}
-    for row in summary:  # flagged exactly when a multi-device run is below 80% efficiency
+    for row in summary:  # flagged exactly when a multi-device run is below 80% efficiency, naming its largest share
         low = row["strategy"] != "single" and float(row["efficiency"]) < 0.8
         assert row["flag"].startswith("efficiency") == low, row
+        if low:
+            largest = max(experiments.CAUSES, key=lambda kind: float(row[f"{kind}_share"]))
+            assert f": {largest} takes {float(row[f'{largest}_share']):.0%} of the devices' time: " in row["flag"]
     assert "| model | strategy | devices |" in (results / "summary.md").read_text()
     for plot in ("accuracy.png", "throughput.png", "speedup.png", "efficiency.png"):
         assert (results / plot).stat().st_size > 1000

@@ -184,7 +184,8 @@ def test_a_runs_csv_of_an_older_version_is_migrated_keeping_its_rows(small_cnn, 
         train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
     assert [str(w.message) for w in warned] == [
         f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added precision,data,run_id,version,"
-        f"tensorflow,machine (empty in the 1 earlier rows)"]
+        f"tensorflow,machine,compute_share,communication_share,input_share,idle_share,time_split (empty in the 1 "
+        f"earlier rows)"]
     rows = read(tmp_path / "runs.csv")
     assert list(rows[0]) == runs.RUNS_COLUMNS and len(rows) == 2
     assert {k: rows[0][k] for k in ("model", "images_per_second", "machine")} == {

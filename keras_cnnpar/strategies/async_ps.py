@@ -121,6 +121,7 @@ class AsyncPS(CheckpointedStrategy):
 
     description = "asynchronous parameter servers, see --workers, --ps, --cluster"
     batch_hooks = "once per epoch (its steps run on the workers, scheduled in groups)"
+    steps_run_here = False
     min_devices = 2
     device_option = "workers"
     needs_cluster = True

@@ -177,6 +177,8 @@ class Strategy(metaclass=_Configuration):
     sync_batchnorm = False
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
     batch_hooks = None
+    #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
+    steps_run_here = True
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
