@@ -324,7 +324,7 @@ class _AsyncLoop:
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
-        self._groups = {}
+        self._steps = None
 
     def run_epoch(self, steps, batches):
         """Run ``steps`` steps on the workers, each reading ``batches`` (one epoch's) from an offset of its own."""
@@ -335,9 +335,9 @@ class _AsyncLoop:
         groups += [steps % self.steps_per_group] if steps % self.steps_per_group else []
         results = []
         while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
-            results.append(self.coordinator.schedule(self._group(groups.pop(0)), args=(iterator,)))
+            results.append(self._schedule(iterator, groups.pop(0)))
             self.coordinator.join()
-        results += [self.coordinator.schedule(self._group(size), args=(iterator,)) for size in groups]
+        results += [self._schedule(iterator, size) for size in groups]
         self.coordinator.join()
         loss, staleness = np.concatenate([r.fetch() for r in results]).T
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
@@ -346,13 +346,15 @@ class _AsyncLoop:
                 "steps_applied": float(int(self.applied.numpy()) - applied_before),
                 "lost_workers": float(len(network.unreachable(self.workers)))}
 
-    def _group(self, size):
-        """The ``tf.function`` that runs ``size`` steps on one worker (traced once per size)."""
-        if size not in self._groups:
-            self._groups[size] = self._traced_group(size)
-        return self._groups[size]
+    def _schedule(self, iterator, size):
+        """Schedule ``size`` steps on a free worker, reading ``iterator``; return their remote result."""
+        if self._steps is None:
+            self._steps = self._traced_steps()
+        return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(size, tf.int32)))
 
-    def _traced_group(self, size):
+    def _traced_steps(self):
+        """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
+        worker compiles one step's graph once (not a group-sized graph per size)."""
         model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
         staleness_aware = self.staleness_aware
 
@@ -376,10 +378,13 @@ class _AsyncLoop:
             return tf.stack([loss, tf.cast(staleness, loss.dtype)])
 
         @tf.function
-        def group(iterator):
-            return tf.stack([tf_strategy.run(one_step, args=(next(iterator),)) for _ in range(size)])
+        def steps(iterator, size):
+            results = tf.TensorArray(tf.float32, size=size)
+            for i in tf.range(size):
+                results = results.write(i, tf.cast(tf_strategy.run(one_step, args=(next(iterator),)), tf.float32))
+            return results.stack()
 
-        return group
+        return steps
 
 
 def _servers(spec):

@@ -182,10 +182,16 @@ class _Reporter(keras.callbacks.Callback):
         self.model.stop_training = _receive()["stop"]
 
 
+class _UserProcessGone(Exception):
+    """The user's process closed the pipe: it is gone (it ends this process before it closes it)."""
+
+
 def _receive():
-    """The user's process's next message; an end of input (it closed the pipe) reads as ``stop``."""
+    """The user's process's next message; raises ``_UserProcessGone`` at the end of input."""
     line = sys.stdin.readline()
-    return json.loads(line) if line else {"stop": True}
+    if not line:
+        raise _UserProcessGone
+    return json.loads(line)
 
 
 def _in_memory(batches):
@@ -238,6 +244,9 @@ def main(folder, parent, private_network=False):
         training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
         training.finalize(model)
         model.save(folder / "trained.keras")
+    except _UserProcessGone:  # before the orphan watch sees it: nobody else removes the folder
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
     except Exception as error:
         print(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
         raise
