@@ -31,8 +31,7 @@ from keras_cnnpar.subprocesses import dying_with_parent, python_command
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
-                   "parity", "grad_parity_max_abs_diff", "compute_share", "communication_share", "input_share",
-                   "idle_share", "flag"]
+                   "parity", "grad_parity_max_abs_diff", *runs.SHARE_COLUMNS, "flag"]
 EFFICIENCY_FLOOR = 0.8
 
 
@@ -142,7 +141,7 @@ def summarize(results_dir):
                "val_accuracy": _number(run["val_accuracy"]),
                "parity": last.get("grad_parity_verdict", "") or "n/a",
                "grad_parity_max_abs_diff": _number(last.get("grad_parity_max_abs_diff", "")),
-               **{key: _number(run.get(key, "")) for key in runs.SPLIT_COLUMNS if key.endswith("_share")}}
+               **{key: _number(run.get(key, "")) for key in runs.SHARE_COLUMNS}}
         row["flag"] = likely_cause(row)
         rows.append(row)
     return sorted(rows, key=lambda r: (r["model"], r["strategy"] != "single", r["strategy"], r["devices"]))

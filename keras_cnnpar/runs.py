@@ -63,16 +63,17 @@ RESULTS_LOG = "results.log"
 RUN_FOLDERS = "runs"
 #: Default folder of the checkpoints of interrupted runs, inside the results folder.
 CHECKPOINTS = "checkpoints"
-#: Columns of ``runs.csv``, in order (documented in docs/results.md).
+#: The shares of the last epoch's time split (``checks.StepTimeSplit``, in ``--checks`` runs), and its kind.
+SHARE_COLUMNS = ("compute_share", "communication_share", "input_share", "idle_share")
+SPLIT_COLUMNS = (*SHARE_COLUMNS, "time_split")
+#: Columns of ``runs.csv``, in order (documented in docs/results.md); the split's are empty without one.
 RUNS_COLUMNS = [
     "timestamp", "model", "strategy", "devices", "global_batch", "epochs",
     "loss", "accuracy", "val_loss", "val_accuracy",
     "train_seconds", "images_per_second", "speedup", "efficiency", "epoch_csv",
     "precision", "data", "run_id", "version", "tensorflow", "machine",
-    "compute_share", "communication_share", "input_share", "idle_share", "time_split",
+    *SPLIT_COLUMNS,
 ]
-#: The columns of the last epoch's time split (``checks.StepTimeSplit``, in ``--checks`` runs), empty without one.
-SPLIT_COLUMNS = ("compute_share", "communication_share", "input_share", "idle_share", "time_split")
 BASELINE = "single"
 #: What a run and its Single baseline must share for a speedup to mean anything.
 BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")

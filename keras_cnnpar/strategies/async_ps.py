@@ -324,7 +324,7 @@ class _AsyncLoop:
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
-        self._steps = None
+        self._steps = self._traced_steps()  # traced at its first call
 
     def run_epoch(self, steps, batches):
         """Run ``steps`` steps on the workers, each reading ``batches`` (one epoch's) from an offset of its own."""
@@ -348,8 +348,6 @@ class _AsyncLoop:
 
     def _schedule(self, iterator, size):
         """Schedule ``size`` steps on a free worker, reading ``iterator``; return their remote result."""
-        if self._steps is None:
-            self._steps = self._traced_steps()
         return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(size, tf.int32)))
 
     def _traced_steps(self):
