@@ -131,11 +131,11 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     (worker 0) writes files, and any worker's failure fails the command.
     """
     _quiet_tensorflow()
+    if workers is not None and strategy_name == "multi-worker" and not cluster_lib.cluster_in_environment():
+        return _launch_workers(workers)  # before TensorFlow starts: the launcher only waits on its workers
     from keras_cnnpar import strategies
 
     if workers is not None and strategy_name == "multi-worker":
-        if not cluster_lib.cluster_in_environment():
-            return _launch_workers(workers)
         _check_worker_count(workers)
         workers = None
     elif workers is not None and not strategies.accepts(strategy_name, "workers"):

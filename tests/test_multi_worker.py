@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, local_workers, network
+from keras_cnnpar import checkpoints, cli, local_workers, network
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -214,8 +215,9 @@ def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
             == ["/job:worker/replica:0/task:2"]
 
 
-def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path):
-    command = cnnpar_train("--epochs", "20", "--results", "results", "--collective-timeout", "15")
+def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path, small_csv):
+    command = cnnpar_train("--epochs", "20", "--data", str(small_csv), "--results", "results",
+                           "--collective-timeout", "15")
     with processes([command] * 2, tmp_path, worker_envs()) as (chief, other):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, chief)
         other.kill()
@@ -252,8 +254,8 @@ def listening_ports(net_folder):
     return ports
 
 
-def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_a_dead_worker(tmp_path):
-    command = cnnpar_train("--workers", "2", "--epochs", "20", "--results", "results")
+def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_a_dead_worker(tmp_path, small_csv):
+    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
         worker = worker_pid(launcher, 1)
@@ -317,11 +319,12 @@ def test_multi_worker_validates_its_arguments_before_joining(monkeypatch, tmp_pa
                                                     "task": {"type": "worker", "index": 0}})},
      "TF_CONFIG holds 2 workers. Received: --workers 3"),
 ])
-def test_bad_cluster_settings_exit_2_before_training(tmp_path, args, env, message):
-    result = subprocess.run(cnnpar_train(*args, "--results", "results"), cwd=tmp_path, env={**ENV, **env},
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert message in " ".join(result.stderr.split())
+def test_bad_cluster_settings_exit_2_before_training(monkeypatch, tmp_path, args, env, message):
+    monkeypatch.chdir(tmp_path)  # in this process: each is refused before any cluster is joined
+    result = CliRunner().invoke(cli.main, ["train", "--strategy", "multi-worker", *args, "--results", "results"],
+                                env=env)
+    assert result.exit_code == 2, result.output[-2000:]
+    assert message in " ".join(result.output.replace("│", " ").split())
     assert not (tmp_path / "results").exists()
 
 

@@ -35,7 +35,7 @@ def exported(trained, tmp_path_factory):
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_export_after_each_strategy_matches_in_a_fresh_tensorflow_process(trained, strategy, tmp_path):
     model = trained[strategy]
-    target = serving.export(model, tmp_path / "digits")
+    target = serving.export(model, tmp_path / "digits", verify=False)  # checked here, in one fresh process
     assert target == tmp_path / "digits" / "1"
     assert sorted(p.name for p in (tmp_path / "digits").iterdir()) == ["1"]  # no partial folder left
     for part in ["saved_model.pb", "variables", "assets.extra/tf_serving_warmup_requests"]:
