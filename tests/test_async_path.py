@@ -144,16 +144,21 @@ def test_the_users_model_gets_the_coordinators_optimizer_state(observed_run):
     assert max(float(np.max(np.abs(slot))) for slot in mine[2:]) > 0.0  # momentum slots that trained
 
 
-def test_the_3_plus_3_cnn_under_async_ps_2_is_within_3_points_of_single(seed=1):
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_3_plus_3_cnn_under_async_ps_2_is_within_3_points_of_single(seed):
     """The seed's 3+3 CNN (SGD 0.05, Nesterov momentum 0.9) collapsed to chance in some seeds before the default
-    warm-up and the division by (1 + staleness)^2 (docs/strategies.md); with the old rule this seed reached
-    0.533 after 2 epochs. The other seeds are benchmarks/async_robustness.py's."""
+    warm-up and the division by (1 + staleness)^2 (docs/strategies.md); with the old rule seed 1 reached 0.533
+    after 2 epochs. Four epochs: the 3+3 stays near chance for a part of its first epoch that depends on the
+    order of its batches, which AsyncPS's workers draw as they come free; after 3 epochs a late start still
+    showed (0.914-0.964 against Single's 0.958 in six runs of seed 1, the lowest with the 2 cores shared);
+    after 4, with the cores shared, seeds 1 and 2 measured 0.962 and 0.968. The other seeds are
+    benchmarks/async_robustness.py's."""
     train, validation = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
     accuracy = {}
     for name, strategy in [("single", cnnpar.Single()), ("async", cnnpar.AsyncPS(workers=2, checkpoint_dir=None))]:
         keras.utils.set_random_seed(seed)
         model = cnnpar.models.cnn("3+3")  # built first, as with fit(strategy="async-ps")
-        history = model.fit(train.x, train.y, batch_size=64, epochs=3, validation_data=(validation.x, validation.y),
+        history = model.fit(train.x, train.y, batch_size=64, epochs=4, validation_data=(validation.x, validation.y),
                             strategy=strategy, results_dir=None, verbose=0)
         accuracy[name] = history.history["val_accuracy"][-1]
     assert accuracy["single"] >= 0.92

@@ -19,11 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cli, local_workers, network
+from keras_cnnpar import checkpoints, cli, hardware, local_workers, network
 from tests.helpers import (
     ENV,
     FLOORS,
-    NATIVE_BFLOAT16,
     build_resnet_float64,
     build_small_cnn,
     epoch_column,
@@ -41,7 +40,7 @@ pytestmark = pytest.mark.slow  # worker processes: `pytest -m "not slow"` leaves
 JOB = Path(__file__).with_name("multi_worker_job.py")
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
 CHECKPOINT = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker"  # any number of workers
-RUNS = {"2+2": RUN, "3+3": "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"}
+RUN_3_PLUS_3 = "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"
 #: The exit code of a preempted worker, as docs/strategies.md documents it.
 PREEMPTED = 42
 
@@ -91,24 +90,26 @@ def test_each_worker_gets_a_different_slice_of_every_batch(job):
     assert seen[0][0] != seen[0][1]  # reshuffled every epoch, alike on both workers
 
 
-@pytest.mark.parametrize("kind, precision", [("2+2", "float32"),
-                                             pytest.param("3+3", "mixed_bfloat16", marks=NATIVE_BFLOAT16)])
-def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path, kind, precision):
+def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path):
+    """In the precision this CPU computes fastest (``--precision auto``: bfloat16 where it is native); the 3+3's
+    gradients are a fifth of the 2+2's, which MultiWorker's step time follows on one host. One-step parity with
+    DataParallel, in float32, is ``test_one_sgd_step_matches_one_device``'s."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    command = cnnpar_train("--model", kind, "--workers", "2", "--epochs", "3", "--results", "results",
-                           "--precision", precision)
+    command = cnnpar_train("--model", "3+3", "--workers", "2", "--epochs", "3", "--results", "results",
+                           "--precision", "auto")
     result = subprocess.run(command, cwd=tmp_path, env={**ENV, "TMPDIR": str(temp)}, capture_output=True,
                             text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    run_name = RUNS[kind]
     assert sorted(os.listdir(tmp_path / "results")) == \
-        [f"{run_name}.csv", f"{run_name}.weights.h5", "results.log", "runs", "runs.csv"]
-    assert epoch_column(tmp_path / "results" / f"{run_name}.csv") == [1, 2, 3]
+        [f"{RUN_3_PLUS_3}.csv", f"{RUN_3_PLUS_3}.weights.h5", "results.log", "runs", "runs.csv"]
+    assert epoch_column(tmp_path / "results" / f"{RUN_3_PLUS_3}.csv") == [1, 2, 3]
     (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
-    assert float(run["val_accuracy"]) >= FLOORS[kind], run
+    assert float(run["val_accuracy"]) >= FLOORS["3+3"], run
     assert run["devices"] == "2"
-    log = (tmp_path / "results" / "results.log").read_text().splitlines()
+    text = (tmp_path / "results" / "results.log").read_text()
+    assert f"precision={hardware.auto_precision()}" in text
+    log = text.splitlines()
     assert [line.split()[1] for line in log].count("start") == 1
     assert [line.split()[1] for line in log].count("end") == 1
     assert sorted(p.name for p in temp.iterdir() if p.name.startswith("cnnpar-workers-")) == []
@@ -122,10 +123,10 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
     another_run = folder / "workertemp_1" / "another_run"  # where TensorFlow would put a worker's temporary copy
     another_run.mkdir(parents=True)
-    command = cnnpar_train("--workers", "2", "--epochs", "6", "--data", str(small_csv), "--results", "results",
+    command = cnnpar_train("--workers", "2", "--epochs", "4", "--data", str(small_csv), "--results", "results",
                            *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 5 more (seconds) are to come
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 3 more (seconds) are to come
         os.kill(launcher.pid if target == "launcher" else worker_pid(launcher, 1), signal.SIGTERM)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
@@ -145,12 +146,12 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
     assert result.returncode == 0, result.stderr[-3000:]
     shown = f"results/checkpoints/{CHECKPOINT}" if target == "launcher" else str(checkpoint)
     # The resumed run has an epoch CSV of its own configuration's, from the epoch after the checkpoint's.
-    assert epoch_column(results / f"{RUN.replace('_2dev', f'_{workers}dev')}.csv") == list(range(done[-1] + 1, 7))
+    assert epoch_column(results / f"{RUN.replace('_2dev', f'_{workers}dev')}.csv") == list(range(done[-1] + 1, 5))
     assert f"layout resumed from {shown} after epoch {done[-1]}; changed since: devices 2 (checkpoint) vs " \
            f"{workers} (this run); the global batch 64 is divided among the {workers} replicas now" in \
            (results / "results.log").read_text()
     (resumed,) = [row for row in read_rows(results / "runs.csv") if row["devices"] == workers]
-    assert (resumed["global_batch"], resumed["epochs"]) == ("64", "6") and float(resumed["val_accuracy"]) > 0.5
+    assert (resumed["global_batch"], resumed["epochs"]) == ("64", "4") and float(resumed["val_accuracy"]) > 0.5
     assert not folder.exists() and not (results / "checkpoints").exists()
 
 
