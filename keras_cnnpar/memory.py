@@ -89,6 +89,9 @@ def kept_activation_values(model):
     >>> model = cnnpar.models.cnn("2+2")  # every output but the Flatten's (a view of the pooling's)
     >>> kept_activation_values(model) == sum(int(np.prod(t.shape[1:])) for t in _tensors(model)) - 3136
     True
+    >>> resnet = cnnpar.models.cnn("resnet")
+    >>> round(kept_activation_values(resnet) / sum(int(np.prod(t.shape[1:])) for t in _tensors(resnet)), 2)
+    0.58
     """
     consumers = {}
     for layer, node in _nodes(model):
