@@ -302,7 +302,8 @@ class StepTimeSplit(keras.callbacks.Callback):
         if self.folder is None:
             return {}
         optimizer = getattr(self.reference.optimizer, "name", None)
-        return timesplit.split(self.folder, self.train_seconds, self.strategy.local_devices, optimizer)
+        return timesplit.split(self.folder, self.train_seconds, self.strategy.local_devices, optimizer,
+                               one_device=self.strategy.num_devices == 1)
 
 
 def _single_device_step_seconds(model, x, y, repeats):

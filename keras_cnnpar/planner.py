@@ -323,7 +323,8 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
             trial.images_per_second = TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
             trial.memory_measured_mib = peak() / 2**20 / strategy.num_devices if traces and peak() else math.nan
             if traces:
-                split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name)
+                split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name,
+                                        one_device=strategy.num_devices == 1)
                 trial.compute, trial.communication, trial.input, trial.idle = (split[k] for k in timesplit.KINDS)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

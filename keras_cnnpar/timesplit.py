@@ -114,6 +114,14 @@ def shares(seconds, wall_seconds, devices):
     return {kind: busy[kind] / total for kind in KINDS}
 
 
-def split(folder, wall_seconds, devices, optimizer_scope=None):
-    """The shares of the trace in ``folder``, taken over ``wall_seconds`` on ``devices`` devices."""
-    return shares(op_seconds(folder, optimizer_scope), wall_seconds, devices)
+def split(folder, wall_seconds, devices, optimizer_scope=None, *, one_device=False):
+    """The shares of the trace in ``folder``, taken over ``wall_seconds`` on ``devices`` devices.
+
+    ``one_device``: the run spans one device of one task, so nothing leaves it. TensorFlow still partitions
+    its functions with ``_Send``/``_Recv`` pairs between host and device memory of that device (microseconds a
+    step), which are then compute, not communication.
+    """
+    seconds = op_seconds(folder, optimizer_scope)
+    if one_device:
+        seconds["compute"] += seconds.pop("communication", 0.0)
+    return shares(seconds, wall_seconds, devices)
