@@ -37,11 +37,14 @@ class AsyncPS(CheckpointedStrategy):
     stable for synchronous momentum SGD can diverge. Two defaults keep it
     stable: the first ``warmup_steps`` updates of a run are scheduled one group
     at a time (nothing stale while the gradients are largest), and then each
-    step's gradient is divided by ``(1 + staleness) ** 2``, so a fresh gradient
-    lands whole and one that is 1 update late a quarter of it (after Zhang et
-    al., 2016, "Staleness-aware Async-SGD", who divide by the staleness;
-    that was not enough for momentum SGD, which collapsed to chance in some
-    seeds). Adam normalizes its steps, so it is barely affected. The learning
+    step's gradient is divided by ``(1 + staleness) ** 2`` for SGD (with or
+    without momentum), so a fresh gradient lands whole and one that is 1
+    update late a quarter of it (after Zhang et al., 2016, "Staleness-aware
+    Async-SGD", who divide by the staleness; that was not enough for momentum
+    SGD, which collapsed to chance in some seeds), and by ``1 + staleness``
+    for optimizers that divide their steps by the gradients' running size
+    (Adam and kin, :func:`staleness_power`), where the square starved 4
+    workers of progress. The learning
     rate is kept (``scale_lr=None``): each update uses a whole batch, so there
     is no larger batch to scale for. docs/strategies.md has the measured
     effect on the three model kinds, seed by seed
@@ -105,8 +108,9 @@ class AsyncPS(CheckpointedStrategy):
             reach it (they pull the checkpoint's values from it). Default: this
             host's address on the interface that routes to the cluster.
         scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
-        staleness_aware: divide each step's gradient by ``(1 + staleness) ** 2``
-            (default True); False applies every gradient whole.
+        staleness_aware: divide each step's gradient by ``(1 + staleness) ** p``,
+            ``p`` by the optimizer (:func:`staleness_power`; default True); False
+            applies every gradient whole.
         warmup_steps: updates at the start of a run scheduled one group of
             ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
         steps_per_execution: training steps per scheduled function (default 8).
@@ -258,7 +262,8 @@ class AsyncRun(base.Run):
         strategy = self.strategy
         lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
                  + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
-                 + ("; each gradient divided by (1 + its staleness)^2" if strategy.staleness_aware else "")
+                 + (f"; each gradient divided by {_divisor_text(self.model.optimizer)}"
+                    if strategy.staleness_aware else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
@@ -354,7 +359,7 @@ class _AsyncLoop:
         """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
         worker compiles one step's graph once (not a group-sized graph per size)."""
         model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
-        staleness_aware = self.staleness_aware
+        power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
         def one_step(batch):
             x, y = batch
@@ -365,10 +370,11 @@ class _AsyncLoop:
                 scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
             variables = model.trainable_variables
             gradients = tape.gradient(scaled_loss, variables)
-            if staleness_aware:
+            if power:
                 with tf.control_dependencies(gradients):  # 1 + the updates that landed since this step read
                     late = tf.cast(applied.read_value() - seen + 1, gradients[0].dtype)
-                gradients = [g / (late * late) for g in gradients]
+                divisor = late if power == 1 else late * late
+                gradients = [g / divisor for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
             model.compute_metrics(x, y, y_pred)
             with tf.control_dependencies(gradients):
@@ -383,6 +389,40 @@ class _AsyncLoop:
             return results.stack()
 
         return steps
+
+
+#: Optimizers that divide each step by a running measure of the gradients' size (Keras's names; those a Keras
+#: version lacks are left out).
+ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Ftrl",
+                       "Lion", "Lamb", "Muon")
+
+
+def staleness_power(optimizer):
+    """The power ``p`` of ``1 + staleness`` that divides a late gradient under ``optimizer``.
+
+    2 for SGD and any optimizer whose step follows the gradient's size: there
+    the division is the step's rate, and 1 + staleness was not enough to keep
+    momentum SGD from collapsing. 1 for the optimizers of
+    :data:`ADAPTIVE_OPTIMIZERS`, which divide by the gradients' running size:
+    a gradient divided by a varying square mixes scales of 1 to 1/25 into
+    that running size, and 4 workers of the 2+2 CNN (Adam) ended up to 4
+    points below Single (docs/strategies.md). A mixed-precision loss-scale
+    wrapper is looked through.
+
+    >>> staleness_power(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
+    2
+    >>> staleness_power(keras.optimizers.AdamW()), staleness_power(keras.optimizers.RMSprop())
+    (1, 1)
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    adaptive = tuple(getattr(keras.optimizers, name) for name in ADAPTIVE_OPTIMIZERS
+                     if hasattr(keras.optimizers, name))
+    return 1 if isinstance(inner, adaptive) else 2
+
+
+def _divisor_text(optimizer):
+    """The run report's words for the divisor of a late gradient under ``optimizer``."""
+    return "(1 + its staleness)" + ("^2" if staleness_power(optimizer) == 2 else "")
 
 
 def _servers(spec):
