@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -207,22 +206,20 @@ def serve(cluster, job, index, announce=False, starter=None):
     server gets ``inter_op_parallelism_threads >= workers + 1``: with fewer, a
     parameter-server cluster hangs. ``announce`` prints one line once the
     server is up (``cnnpar cluster serve``). With ``starter`` (a process id),
-    the server exits as soon as that process is no longer its parent, until
-    the starter sends it ``DETACH``.
+    the server exits once that process is no longer its parent (looked at as
+    soon as TensorFlow is loaded, then five times a second), until the
+    starter sends it ``DETACH``.
     """
     if job not in cluster or not 0 <= index < len(cluster[job]):
         raise ValueError(f"the cluster has no task {job}:{index}. Received: jobs "
                          f"{ {name: len(tasks) for name, tasks in cluster.items()} }")
     address = cluster[job][index]
     _check_own_address(address, f"{job}:{index}")
-    stop = {signal.SIGTERM, signal.SIGINT}
-    awaited = stop | ({DETACH} if starter else set())
+    awaited = {signal.SIGTERM, signal.SIGINT} | ({DETACH} if starter else set())
     signal.pthread_sigmask(signal.SIG_BLOCK, awaited)  # TensorFlow's threads inherit the mask: signals wait here
-    detached = threading.Event()
-    if starter:
-        threading.Thread(target=_exit_when_orphaned, args=(starter, detached), daemon=True).start()
     import tensorflow as tf
 
+    _exit_if_orphaned(starter)  # the starter died while TensorFlow loaded
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=len(cluster["worker"]) + 1) \
         if job == "worker" else None
     tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, config=config,
@@ -230,19 +227,34 @@ def serve(cluster, job, index, announce=False, starter=None):
     if announce:
         print(f"cnnpar cluster serve: task {job}:{index} ready at {address}; TensorFlow listens on every interface "
               f"of this host at port {address.rpartition(':')[2]}, unauthenticated: trusted networks only", flush=True)
-    while (received := signal.sigwait(awaited)) == DETACH:
-        detached.set()
+    received = _wait_for_stop(awaited, starter)
     if announce:
         print(f"cnnpar cluster serve: task {job}:{index} stopped ({signal.Signals(received).name})", flush=True)
     sys.stdout.flush()
     os._exit(0)  # TensorFlow's server threads never end on their own; nothing of ours is left to clean up
 
 
-def _exit_when_orphaned(starter, detached):
-    """Until ``detached`` is set, end this process as soon as ``starter`` is no longer its parent."""
-    while not detached.wait(0.2):
-        if os.getppid() != starter:
-            os._exit(1)
+def _wait_for_stop(awaited, starter):
+    """Wait for SIGTERM or SIGINT and return it; until ``DETACH`` arrives, exit once ``starter`` is not the parent.
+
+    One thread does both: a ``DETACH`` sent before the starter exited is
+    pending, and taken, before the parent is looked at (a second thread that
+    watched the parent could see it gone before this one took the signal).
+    """
+    while True:
+        received = signal.sigtimedwait(awaited, 0.2)
+        if received is None:
+            _exit_if_orphaned(starter)
+        elif received.si_signo == DETACH:
+            starter = None
+        else:
+            return received.si_signo
+
+
+def _exit_if_orphaned(starter):
+    """End this process if ``starter`` (a process id, or None) is no longer its parent and sent no ``DETACH``."""
+    if starter and os.getppid() != starter and DETACH not in signal.sigpending():
+        os._exit(1)
 
 
 def _check_own_address(address, task):
