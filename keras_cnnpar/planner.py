@@ -316,12 +316,12 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
         timer = _TrialTimer(folder if traces else None)
         copy = rebuild.rebuild(model, scope=contextlib.nullcontext())
         try:
-            with _peak_memory() as peak:
-                fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
-                            steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision,
-                            callbacks=[timer])
+            fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
+                        steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision,
+                        callbacks=[timer])
             trial.images_per_second = TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
-            trial.memory_measured_mib = peak() / 2**20 / strategy.num_devices if traces and peak() else math.nan
+            trial.memory_measured_mib = timer.peak_bytes / 2**20 / strategy.num_devices \
+                if traces and timer.peak_bytes else math.nan
             if traces:
                 split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name,
                                         one_device=strategy.num_devices == 1)
@@ -391,35 +391,34 @@ def device_memory_mib(devices):
     return math.inf
 
 
-@contextlib.contextmanager
-def _peak_memory(device="CPU:0"):
-    """Yields a function returning the allocator's peak bytes above the start of the block, where the device
-    reports them (TensorFlow's CPU allocator, which the logical CPU devices share), else 0."""
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-        start = tf.config.experimental.get_memory_info(device)["current"]
-    except (ValueError, RuntimeError):
-        start = None
-    peak = []
-    yield lambda: peak[0] if peak else 0
-    if start is not None:
-        peak.append(tf.config.experimental.get_memory_info(device)["peak"] - start)
-
-
 def _mib(value):
     return "n/a" if math.isnan(value) else f"{value:.1f}"
 
 
 class _TrialTimer(keras.callbacks.Callback):
-    """Times each epoch of a trial; with a ``folder``, the last runs under the profiler, its trace written there."""
+    """Times each epoch of a trial; with a ``folder``, the last runs under the profiler, its trace written there.
+
+    ``peak_bytes``: the allocator's peak during the timed epochs above what was in use when the trial began (0
+    where the device reports no figures). TensorFlow's CPU allocator serves every logical CPU device, so on a CPU
+    it is all the devices' together. The first epoch, which traces the functions, and the profiled one are left
+    out: their one-time buffers made the same trial's figure vary by a third between runs.
+    """
 
     TRACED_EPOCH = TIMED_EPOCHS + 1
+    DEVICE = "CPU:0"
 
     def __init__(self, folder=None):
         super().__init__()
         self.folder, self.seconds, self.trace = folder, [], contextlib.ExitStack()
+        self.base, self.peak_bytes = None, 0
+
+    def on_train_begin(self, logs=None):
+        with contextlib.suppress(ValueError, RuntimeError):  # a device without memory figures
+            self.base = tf.config.experimental.get_memory_info(self.DEVICE)["current"]
 
     def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and self.base is not None:
+            tf.config.experimental.reset_memory_stats(self.DEVICE)
         if epoch == self.TRACED_EPOCH and self.folder is not None:
             self.trace.enter_context(timesplit.traced(self.folder))
         self.start = time.perf_counter()
@@ -427,3 +426,5 @@ class _TrialTimer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.seconds.append(time.perf_counter() - self.start)
         self.trace.close()
+        if epoch == TIMED_EPOCHS and self.base is not None:
+            self.peak_bytes = max(tf.config.experimental.get_memory_info(self.DEVICE)["peak"] - self.base, 0)
