@@ -1,5 +1,7 @@
 """Tensor parallel on DTensor meshes: sharded layers against their Keras twins, parity, errors, the run log."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import devices, rebuild
 from keras_cnnpar.sharded import ChannelShardedConv2D, ShardedDense, ShardedModel
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
+from keras_cnnpar.strategies import tensor_parallel
 from tests.helpers import (
     SYNCHRONIZED_STEP_TOLERANCE,
     build_residual_cnn,
@@ -142,6 +145,18 @@ def test_a_mesh_larger_than_the_devices_lists_them():
         "a mesh of 4 x 2 needs 8 devices, but TensorFlow has 4: ['/device:CPU:0', '/device:CPU:1', "
         "'/device:CPU:2', '/device:CPU:3']. Call cnnpar.devices.configure(8) before TensorFlow starts, or use "
         "fewer devices. Received: <Hybrid data=4 model=2>")
+
+
+@pytest.mark.parametrize("users_value", [None, "yes"])
+def test_the_mesh_has_dtensor_gather_with_collective_gather_unless_the_user_chose(monkeypatch, users_value):
+    # DTensor's default all-gather on CPU keeps a constant zero tensor of every gathered activation's shape on
+    # every device (docs/benchmarks.md: 41.5 of the resnet's 139 MiB); the switch is read at compile time.
+    if users_value is None:
+        monkeypatch.delenv(tensor_parallel.GATHER_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(tensor_parallel.GATHER_SWITCH, users_value)
+    cnnpar.ChannelSharded(2).mesh()
+    assert os.environ[tensor_parallel.GATHER_SWITCH] == (users_value or "1")
 
 
 @pytest.mark.parametrize("kwargs, message", [
