@@ -13,8 +13,10 @@ strategy              weights, gradients, optimizer slots       activations
 single                all                                       the global batch
 mirrored, multi-worker all (one copy per replica)               the batch / replicas
 layers                1/devices (layers spread over devices)    the batch / devices (each stage its layers)
-channels              Conv2D/Dense kernels and biases / devices the batch / devices (channels sharded)
-hybrid                as channels, over the "model" axis        the batch / devices
+channels              Conv2D/Dense kernels and biases / devices the whole batch: sharded channels / devices,
+                                                                whole ones on every device, plus each
+                                                                convolution's own buffers
+hybrid                as channels, over the "model" axis        as channels, for the batch / data
 async-ps              weights and gradients (slots on the ps)   the batch / workers
 ====================  =======================================  ==========================================
 
@@ -27,6 +29,9 @@ async-ps              weights and gradients (slots on the ps)   the batch / work
 
 import keras
 import numpy as np
+
+from keras_cnnpar.sharded.layers import formulation, same_padding
+from keras_cnnpar.sharded.model import channel_layouts
 
 #: Layers whose weights the tensor-parallel strategies shard over the "model" axis.
 SHARDED_LAYERS = (keras.layers.Conv2D, keras.layers.Dense)
@@ -53,10 +58,13 @@ def estimate(model, strategy, batch_size, precision="float32"):
         parts = {"weights": weights, "gradients": trainable, "optimizer": 0}
     else:
         parts = {"weights": weights, "gradients": trainable, "optimizer": slots}
-    per_device_batch = batch_size / (1 if alias == "single" else devices)
     itemsize = 2 if precision.startswith("mixed") else 4
-    parts["activations"] = (kept_activation_values(model) + 2 * largest_output_values(model)) \
-        * per_device_batch * itemsize
+    if alias in ("channels", "hybrid"):
+        data = getattr(strategy, "data", 1)
+        values, per_device_batch = channel_sharded_values(model, devices // data, data > 1), batch_size / data
+    else:
+        values, per_device_batch = kept_activation_values(model), batch_size / (1 if alias == "single" else devices)
+    parts["activations"] = (values + 2 * largest_output_values(model)) * per_device_batch * itemsize
     parts = {name: round(value) for name, value in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
@@ -93,6 +101,12 @@ def kept_activation_values(model):
     >>> round(kept_activation_values(resnet) / sum(int(np.prod(t.shape[1:])) for t in _tensors(resnet)), 2)
     0.58
     """
+    return sum(_values(tensor) for _, tensor in _kept_tensors(model))
+
+
+def _kept_tensors(model):
+    """``(layer, tensor)`` for each tensor of ``model`` that its backward pass keeps, and the layer that made it
+    (see :func:`kept_activation_values`)."""
     consumers = {}
     for layer, node in _nodes(model):
         for tensor in node.input_tensors:
@@ -104,19 +118,56 @@ def kept_activation_values(model):
             read_for_gradient(node.output_tensors[0]) if isinstance(layer, VIEW_LAYERS)
             else not isinstance(layer, INPUT_FREE_LAYERS) for layer, node in consumers.get(id(tensor), []))
 
-    total = 0
-    for layer, node in _nodes(model):
-        if isinstance(layer, VIEW_LAYERS):
-            continue
-        for tensor in node.output_tensors:
-            if _keeps_own_output(layer) or read_for_gradient(tensor):
-                total += int(np.prod(tensor.shape[1:]))
-    return total
+    return [(layer, tensor) for layer, node in _nodes(model) if not isinstance(layer, VIEW_LAYERS)
+            for tensor in node.output_tensors if _keeps_own_output(layer) or read_for_gradient(tensor)]
 
 
 def largest_output_values(model):
     """Values per example of ``model``'s largest layer output (inputs included)."""
     return max(int(np.prod(tensor.shape[1:])) for tensor in _tensors(model))
+
+
+def channel_sharded_values(model, shards, batch_axis=False):
+    """Values per example, on one device, that ``model``'s backward pass keeps under channel sharding over
+    ``shards`` (``batch_axis``: a mesh that also splits the batch, which leaves only im2col).
+
+    Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
+    convolution's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
+    sharded; each convolution adds the copy its formulation keeps for its gradient: the batch split over the
+    devices with whole channels (split batch), its sharded input transposed (filter gradient), or its
+    ``kh*kw`` stacked windows (im2col).
+
+    On two devices the resnet keeps more per device than on one (whole tensors on both, and the convolutions'
+    copies), not half:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> resnet = cnnpar.models.cnn("resnet")
+    >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
+    1.09
+    """
+    layouts = channel_layouts(model)  # {layer name: (input sharded, output sharded)}; the model's input is whole
+    kept = sum(_values(tensor) / (shards if layouts.get(layer.name, (False, False))[1] else 1)
+               for layer, tensor in _kept_tensors(model))
+    buffers = sum(_convolution_buffer(layer, node, layouts[layer.name][0], shards, batch_axis)
+                  for layer, node in _nodes(model) if isinstance(layer, keras.layers.Conv2D))
+    return kept + buffers
+
+
+def _convolution_buffer(layer, node, input_sharded, shards, batch_axis):
+    """Values per example that a channel-sharded convolution keeps for its gradient besides its input."""
+    _, height, width, channels = node.input_tensors[0].shape
+    (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
+    padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
+    mode = "row" if input_sharded else "column"
+    form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
+    if form in ("split batch", "filter gradient"):
+        return int(np.prod(padded[1:])) / shards
+    (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape
+    return kh * kw * out_height * out_width * channels / (shards if input_sharded else 1)
+
+
+def _values(tensor):
+    return int(np.prod(tensor.shape[1:]))
 
 
 def _keeps_own_output(layer):

@@ -201,31 +201,18 @@ class ChannelShardedConv2D(ShardedLayer):
         super().__init__(layer, mesh, mode, tuple(layer.kernel.shape))
 
     def formulation(self, padded_shape):
-        """How the convolution of a padded input of ``padded_shape`` runs, by the rules measured in
-        docs/benchmarks.md: ``"split batch"`` (``conv_on_split_batch``) in column mode and for row-mode outputs
-        larger than 14x14, ``"filter gradient"`` (``conv_as_filter_gradient``) for row-mode, stride-1 outputs
-        larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``). The first two need a mesh without a
-        ``"batch"`` axis (DTensor shards a tensor axis over one mesh axis, and these put ``"model"`` on the
-        batch), the first a batch the shards divide."""
-        kh, kw = self.kernel.shape[:2]
-        sh, sw = self.strides
-        area = ((padded_shape[1] - kh) // sh + 1) * ((padded_shape[2] - kw) // sw + 1)
-        if "batch" in self.mesh.dim_names:
-            return "im2col"
-        if padded_shape[0] % self.mesh.dim_size("model") == 0 and (self.mode == "column" or area > 14 * 14):
-            return "split batch"
-        if self.mode == "row" and self.strides == (1, 1) and area > 7 * 7:
-            return "filter gradient"
-        return "im2col"
+        """How the convolution of a padded input of ``padded_shape`` runs: :func:`formulation`'s rule."""
+        return formulation(self.mode, self.kernel.shape[:2], self.strides, padded_shape, self.mesh.dim_size("model"),
+                           "batch" in self.mesh.dim_names)
 
     def __call__(self, x, training=False):
         pads = [[0, 0], *same_padding(x.shape[1:3], self.kernel.shape[:2], self.strides, self.padding), [0, 0]]
         x = tf.cast(x, self.compute_dtype)
         kernel = tf.cast(self.kernel.read_value(), self.compute_dtype)
-        formulation = self.formulation([n + sum(pad) for n, pad in zip(x.shape, pads)])
-        if formulation == "split batch":
+        form = self.formulation([n + sum(pad) for n, pad in zip(x.shape, pads)])
+        if form == "split batch":
             y = conv_on_split_batch(x, kernel, self.mesh, self.strides, pads)
-        elif formulation == "filter gradient":
+        elif form == "filter gradient":
             y = conv_as_filter_gradient(tf.pad(x, pads), kernel)
         else:
             y = conv_as_matmul(tf.pad(x, pads), kernel, self.strides, self.input_gradient)
@@ -375,6 +362,29 @@ class ShardedBatchNormalization(WeightedModule):
 
     def _replica_mean(self, statistic):
         return tf.reshape(tf.reduce_mean(statistic, axis=0), [-1]) if statistic.shape.rank > 1 else statistic
+
+
+def formulation(mode, window, strides, padded_shape, shards, batch_axis=False):
+    """How a channel-sharded convolution (``mode``, a ``window`` with ``strides``) of a padded input of
+    ``padded_shape`` (NHWC, the whole batch and channels) runs over ``shards`` model shards, by the rules
+    measured in docs/benchmarks.md: ``"split batch"`` (``conv_on_split_batch``) in column mode and for
+    row-mode outputs larger than 14x14, ``"filter gradient"`` (``conv_as_filter_gradient``) for row-mode,
+    stride-1 outputs larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``). The first two need a
+    mesh without a ``"batch"`` axis (``batch_axis``; DTensor shards a tensor axis over one mesh axis, and these
+    put ``"model"`` on the batch), the first a batch the shards divide.
+
+    >>> formulation("row", (3, 3), (1, 1), (64, 16, 16, 32), shards=2)
+    'filter gradient'
+    """
+    (kh, kw), (sh, sw) = window, strides
+    area = ((padded_shape[1] - kh) // sh + 1) * ((padded_shape[2] - kw) // sw + 1)
+    if batch_axis:
+        return "im2col"
+    if padded_shape[0] % shards == 0 and (mode == "column" or area > 14 * 14):
+        return "split batch"
+    if mode == "row" and tuple(strides) == (1, 1) and area > 7 * 7:
+        return "filter gradient"
+    return "im2col"
 
 
 def same_padding(size, window, strides, padding):

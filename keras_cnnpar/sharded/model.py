@@ -149,9 +149,7 @@ class Elementwise(tf.Module):
     def __init__(self, layer, mesh):
         super().__init__(name=layer.name)
         self.layer, self.mesh = layer, mesh
-        self.mixing = isinstance(layer, keras.layers.Softmax) or (
-            isinstance(layer, keras.layers.Activation)
-            and keras.activations.serialize(layer.activation) in CHANNEL_MIXING)
+        self.mixing = mixes_channels(layer)
 
     def __call__(self, x, training=False):
         if self.mixing:
@@ -222,6 +220,49 @@ class _Node(typing.NamedTuple):
     sharded: bool
 
 
+def mixes_channels(layer):
+    """Whether ``layer`` computes across the channels (a softmax), so it runs on whole channels."""
+    name = keras.activations.serialize(layer.activation) if hasattr(layer, "activation") else None
+    return isinstance(layer, keras.layers.Softmax) or (isinstance(name, str) and name in CHANNEL_MIXING)
+
+
+def output_tensor(layer, inputs):
+    """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
+    rule of the module docstring, without a mesh. A Conv2D or Dense on whole channels (column mode) shards its
+    output's channels, on sharded ones (row mode) returns them whole; a merge is sharded if any input is."""
+    kind, first = type(layer).__name__, inputs[0]
+    differentiable = any(t.differentiable for t in inputs)
+    if kind in ("Conv2D", "Dense"):
+        return _Tensor(not first.sharded and not mixes_channels(layer), None, True)
+    if kind == "BatchNormalization":
+        return _Tensor(first.sharded, None, True)
+    if kind in Merge.FUNCTIONS:
+        return _Tensor(any(t.sharded for t in inputs), None, differentiable)
+    if kind == "Concatenate":
+        return _Tensor(False, None, differentiable)
+    if kind == "Flatten" and first.sharded:
+        return _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
+    return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable)
+
+
+def channel_layouts(model):
+    """``{layer name: (input sharded, output sharded)}`` for every layer of ``model`` under channel sharding
+    (whether the channels of its first input and of its output are sharded): the layouts
+    :class:`ShardedModel` gives, without a mesh.
+
+    >>> from keras_cnnpar import models
+    >>> layouts = channel_layouts(models.cnn("2+2"))  # conv, pool, conv, pool, flatten, dense, dropout, dense
+    >>> [output for _, output in layouts.values()]
+    [True, True, False, False, False, True, True, False]
+    """
+    input_key, calls, _ = layer_graph(model)
+    tensors, layouts = {input_key: _Tensor(False, None, False)}, {}
+    for layer, inputs, output in calls:
+        tensors[output] = output_tensor(layer, [tensors[key] for key in inputs])
+        layouts[layer.name] = (tensors[inputs[0]].sharded, tensors[output].sharded)
+    return layouts
+
+
 def layer_graph(model):
     """The :class:`graph.Graph` of ``model`` that channel sharding can convert; a ``TypeError`` says why not.
 
@@ -284,31 +325,26 @@ class ShardedModel(tf.Module):
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}. Received: layer={layer.name!r} ({kind})")
-        first = inputs[0]
-        differentiable = any(t.differentiable for t in inputs)
+        first, output = inputs[0], output_tensor(layer, inputs)
         if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
             raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
                              f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
         if kind == "Conv2D":
             op = ChannelShardedConv2D(layer, self.mesh, "row" if first.sharded else "column")
-            op.input_gradient = differentiable
-            return op, _Tensor(op.output_sharded(), None, True)
-        if kind == "Dense":
+            op.input_gradient = any(t.differentiable for t in inputs)
+        elif kind == "Dense":
             op = ShardedDense(layer, self.mesh, "row" if first.sharded else "column", input_shape=first.folded)
-            return op, _Tensor(op.output_sharded(), None, True)
-        if kind == "BatchNormalization":
+        elif kind == "BatchNormalization":
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
-            return op, _Tensor(first.sharded, None, True)
-        if kind in Merge.FUNCTIONS:
-            sharded = any(t.sharded for t in inputs)
-            return Merge(layer, self.mesh, sharded), _Tensor(sharded, None, differentiable)
-        if kind == "Concatenate":
-            return Concatenate(layer, self.mesh), _Tensor(False, None, differentiable)
-        if kind == "Flatten" and first.sharded:
-            return None, _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
-        op = self._pass_through(layer, kind, index, first.sharded)
-        sharded = first.sharded and not (isinstance(op, Elementwise) and op.mixing)
-        return op, _Tensor(sharded, first.folded, differentiable)
+        elif kind in Merge.FUNCTIONS:
+            op = Merge(layer, self.mesh, output.sharded)
+        elif kind == "Concatenate":
+            op = Concatenate(layer, self.mesh)
+        elif kind == "Flatten" and first.sharded:
+            op = None  # folded into the Dense after it
+        else:
+            op = self._pass_through(layer, kind, index, first.sharded)
+        return op, output
 
     def _pass_through(self, layer, kind, index, sharded):
         """The module of a layer without weights that keeps its input's channel layout (``sharded`` or not)."""
