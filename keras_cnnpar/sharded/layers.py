@@ -142,10 +142,6 @@ class ShardedLayer(WeightedModule):
                 f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}. "
                 f"Received: model shards={shards}")
 
-    def output_sharded(self):
-        """Whether the channels this layer returns are sharded."""
-        return self.mode == "column" and self.activation_name not in CHANNEL_MIXING
-
     def _finish(self, y):
         """Add the bias, fix the output layout and apply the activation."""
         if self.use_bias:
