@@ -124,7 +124,7 @@ def _kept_tensors(model):
 
 def largest_output_values(model):
     """Values per example of ``model``'s largest layer output (inputs included)."""
-    return max(int(np.prod(tensor.shape[1:])) for tensor in _tensors(model))
+    return max(_values(tensor) for tensor in _tensors(model))
 
 
 def channel_sharded_values(model, shards, batch_axis=False):
@@ -167,6 +167,7 @@ def _convolution_buffer(layer, node, input_sharded, shards, batch_axis):
 
 
 def _values(tensor):
+    """Values per example of ``tensor`` (its shape without the batch axis)."""
     return int(np.prod(tensor.shape[1:]))
 
 
