@@ -10,7 +10,7 @@ from tests.helpers import FLOORS, NATIVE_BFLOAT16
 pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest -m "not slow"` leaves them out
 
 
-# Each CNN under Single, and each multi-device strategy of this process under one CNN: their steps match
+# Each CNN under Single, and each in-process multi-device strategy under one CNN: their steps match
 # Single's on other CNNs as well (tests/test_strategies.py, tests/test_tensor_parallel.py,
 # tests/test_functional_corpus.py), so a second CNN under the same strategy would guard nothing more (the 3+3
 # under mirrored cost 84 s of the suite). The 3+3 under hybrid runs in the precision this CPU computes fastest
