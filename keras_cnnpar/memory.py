@@ -27,6 +27,8 @@ async-ps              weights and gradients (slots on the ps)   the batch / work
 (True, 2.0)
 """
 
+import collections
+
 import keras
 import numpy as np
 
@@ -128,42 +130,64 @@ def largest_output_values(model):
 
 
 def channel_sharded_values(model, shards, batch_axis=False):
-    """Values per example, on one device, that ``model``'s backward pass keeps under channel sharding over
-    ``shards`` (``batch_axis``: a mesh that also splits the batch, which leaves only im2col).
+    """Values per example, on one device, that ``model``'s backward pass holds at its peak under channel sharding
+    over ``shards`` (``batch_axis``: a mesh that also splits the batch, which leaves only im2col).
 
     Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
     convolution's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
     sharded; each convolution adds the copy its formulation keeps for its gradient: the batch split over the
     devices with whole channels (split batch), its sharded input transposed (filter gradient), or its
-    ``kh*kw`` stacked windows (im2col).
+    ``kh*kw`` stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs
+    for a moment (one per window, summed at the end); the backward pass meets it when the tensors kept after
+    that convolution are already freed, so the peak is the largest of those moments and the whole kept set.
 
-    On two devices the resnet keeps more per device than on one (whole tensors on both, and the convolutions'
-    copies), not half:
+    On two devices the resnet holds more per device than on one (whole tensors on both, and the convolutions'
+    copies), not half; its peak is the second strided convolution's input gradient:
 
     >>> import keras_cnnpar as cnnpar
     >>> resnet = cnnpar.models.cnn("resnet")
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
-    1.09
+    1.24
     """
     layouts = channel_layouts(model)  # {layer name: (input sharded, output sharded)}; the model's input is whole
-    kept = sum(_values(tensor) / (shards if layouts.get(layer.name, (False, False))[1] else 1)
-               for layer, tensor in _kept_tensors(model))
-    buffers = sum(_convolution_buffer(layer, node, layouts[layer.name][0], shards, batch_axis)
-                  for layer, node in _nodes(model) if isinstance(layer, keras.layers.Conv2D))
-    return kept + buffers
+    kept = collections.Counter()
+    for layer, tensor in _kept_tensors(model):
+        kept[layer.name] += _values(tensor) / (shards if layouts.get(layer.name, (False, False))[1] else 1)
+    differentiable = _differentiable_tensors(model)
+    held = peak = 0
+    for layer, node in _nodes(model):
+        held += kept.pop(layer.name, 0)
+        if isinstance(layer, keras.layers.Conv2D):
+            copy, transient = _convolution_buffers(layer, node, layouts[layer.name][0], shards, batch_axis,
+                                                   id(node.input_tensors[0]) in differentiable)
+            held += copy
+            peak = max(peak, held + transient)
+    return max(held, peak)
 
 
-def _convolution_buffer(layer, node, input_sharded, shards, batch_axis):
-    """Values per example that a channel-sharded convolution keeps for its gradient besides its input."""
+def _convolution_buffers(layer, node, input_sharded, shards, batch_axis, input_gradient):
+    """Values per example of a channel-sharded convolution's own buffers: the copy it keeps for its gradient
+    besides its input, and what its input gradient holds for a moment (im2col's ``kh*kw`` padded pieces)."""
     _, height, width, channels = node.input_tensors[0].shape
     (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
     mode = "row" if input_sharded else "column"
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
     if form in ("split batch", "filter gradient"):
-        return int(np.prod(padded[1:])) / shards
+        return int(np.prod(padded[1:])) / shards, 0
     (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape
-    return kh * kw * out_height * out_width * channels / (shards if input_sharded else 1)
+    share = shards if input_sharded else 1
+    pieces = kh * kw * int(np.prod(padded[1:])) / share if input_gradient else 0
+    return kh * kw * out_height * out_width * channels / share, pieces
+
+
+def _differentiable_tensors(model):
+    """The ids of ``model``'s tensors that depend on a trainable weight (a gradient flows back into them)."""
+    found = set()
+    for layer, node in _nodes(model):
+        if layer.trainable_weights or any(id(tensor) in found for tensor in node.input_tensors):
+            found.update(id(tensor) for tensor in node.output_tensors)
+    return found
 
 
 def _values(tensor):
