@@ -35,6 +35,7 @@ Example:
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -413,6 +414,7 @@ class _TrialTimer(keras.callbacks.Callback):
         self.base, self.peak_bytes = None, 0
 
     def on_train_begin(self, logs=None):
+        gc.collect()  # the previous trial's model and functions, freed later, would lower the peak below the base
         with contextlib.suppress(ValueError, RuntimeError):  # a device without memory figures
             self.base = tf.config.experimental.get_memory_info(self.DEVICE)["current"]
 
