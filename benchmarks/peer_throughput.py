@@ -2,8 +2,11 @@
 
 Both train the 2+2 CNN (Adam 5e-4) on the same 4,000 mnist-5k digits at global
 batch 64 through the same cached, shuffled, prefetched ``tf.data`` pipeline, one
-device and 2-replica ``MirroredStrategy`` over 2 logical CPUs, interleaved in
-one process. cnnpar runs with TensorFlow's fused optimizer kernels (its default)
+device and 2-replica ``MirroredStrategy`` over 2 logical CPUs, in turn. Each
+tf-keras run has a process of its own, with oneDNN as TensorFlow sets it on this
+CPU (as tf-keras users run it: off on CPUs without AVX512-VNNI, AVX512-BF16,
+AVX-VNNI or AMX, where ``import keras_cnnpar`` turns it on); its machine line is
+printed too. cnnpar runs with TensorFlow's fused optimizer kernels (its default)
 and, for comparison, with Keras 3's element-wise update (``fused_optimizer=False``).
 Each figure is the median images/s over the epochs after the first of every round.
 Targets on the 2-core CPU: cnnpar Single >= 1.05x tf-keras single, cnnpar
@@ -17,6 +20,10 @@ tf-keras is not a dependency: ``pip install tf-keras==2.21.0`` first.
 
 Run: python benchmarks/peer_throughput.py [--epochs 4] [--rounds 2]
 """
+
+import json
+import subprocess
+import sys
 
 import keras
 import tensorflow as tf
@@ -64,6 +71,29 @@ class TfKerasTimer(tf_keras.callbacks.Callback):
 
 
 def measure(name, train, epochs):
+    """The images/s of the run ``name`` after its first epoch: a tf-keras run in a process of its own."""
+    if name.startswith("tf-keras"):
+        return measure_peer(name, epochs)
+    return measure_here(name, train, epochs)
+
+
+def measure_peer(name, epochs):
+    """Run the tf-keras run ``name`` with this script's ``--peer`` in a fresh process whose oneDNN setting is
+    TensorFlow's default for this CPU; print its machine line the first time; return its images/s."""
+    done = subprocess.run([sys.executable, __file__, "--peer", name, "--epochs", str(epochs)], check=True,
+                          env=cnnpar.hardware.tensorflow_default_environment(), capture_output=True, text=True)
+    machine, *_, rates = done.stdout.strip().splitlines()
+    if machine not in PEER_MACHINES:
+        PEER_MACHINES.add(machine)
+        print(f"tf-keras runs in: {machine}", flush=True)
+    return json.loads(rates)
+
+
+#: The machine lines the tf-keras processes printed (each printed once).
+PEER_MACHINES = set()
+
+
+def measure_here(name, train, epochs):
     keras.utils.set_random_seed(0)
     dataset = cnnpar.data.pipeline(train.x, train.y, BATCH, shuffle=True, seed=0)
     timer = EpochTimer(len(train))
@@ -82,8 +112,11 @@ def measure(name, train, epochs):
 
 
 def main():
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, ("--peer", {"help": "run only this tf-keras run here; print its images/s as JSON"}))
     train = training_split()
+    if args.peer:
+        print(json.dumps(measure_here(args.peer, train, args.epochs)))
+        return
     names = ["tf-keras single", "cnnpar single", "cnnpar single unfused",
              "tf-keras mirrored(2)", "cnnpar mirrored(2)", "cnnpar mirrored(2) unfused"]
     median = run_rounds(names, args.rounds, lambda name: measure(name, train, args.epochs))

@@ -34,9 +34,12 @@ def run_rounds(configs, rounds, measure):
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def parse_args(doc):
-    """``--epochs`` (default 4; the first is not timed) and ``--rounds`` (default 2)."""
+def parse_args(doc, *extra):
+    """``--epochs`` (default 4; the first is not timed), ``--rounds`` (default 2), and the script's ``extra``
+    options, each a ``(flag, keywords of add_argument)`` pair."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    for flag, keywords in extra:
+        parser.add_argument(flag, **keywords)
     return parser.parse_args()

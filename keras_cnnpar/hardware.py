@@ -110,6 +110,25 @@ def onednn_at_import():
 _SET_BY_US = "CNNPAR_SET_ONEDNN"
 
 
+def tensorflow_default_environment(environ=None, machine=None):
+    """A copy of ``environ`` (default ``os.environ``) with oneDNN as TensorFlow itself sets it on this CPU: the
+    ``TF_ENABLE_ONEDNN_OPTS`` that :func:`enable_onednn` added is replaced by TensorFlow's default, written out
+    so that ``import keras_cnnpar`` in a process started with it changes nothing. Such a process runs
+    TensorFlow as users without this package run it (``benchmarks/peer_throughput.py``'s peer); a value the
+    user set is kept.
+
+    >>> avx2 = Cpu("AMD EPYC", frozenset({"avx2"}), x86=True)
+    >>> tensorflow_default_environment({"TF_ENABLE_ONEDNN_OPTS": "1", "CNNPAR_SET_ONEDNN": "1"}, avx2)
+    {'TF_ENABLE_ONEDNN_OPTS': '0'}
+    >>> tensorflow_default_environment({"TF_ENABLE_ONEDNN_OPTS": "1"}, avx2)  # the user's own
+    {'TF_ENABLE_ONEDNN_OPTS': '1'}
+    """
+    environ = dict(os.environ if environ is None else environ)
+    if environ.pop(_SET_BY_US, None) == "1":
+        environ[ONEDNN_VARIABLE] = "1" if onednn_default(machine) else "0"
+    return environ
+
+
 def gpu_names():
     """The names of TensorFlow's GPUs (this starts TensorFlow), or ``[]``."""
     import tensorflow as tf
