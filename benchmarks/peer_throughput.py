@@ -70,6 +70,10 @@ class TfKerasTimer(tf_keras.callbacks.Callback):
         self.timer.on_epoch_end(epoch)
 
 
+#: The machine lines the tf-keras processes printed (each printed once).
+PEER_MACHINES = set()
+
+
 def measure(name, train, epochs):
     """The images/s of the run ``name`` after its first epoch: a tf-keras run in a process of its own."""
     if name.startswith("tf-keras"):
@@ -89,11 +93,8 @@ def measure_peer(name, epochs):
     return json.loads(rates)
 
 
-#: The machine lines the tf-keras processes printed (each printed once).
-PEER_MACHINES = set()
-
-
 def measure_here(name, train, epochs):
+    """Run ``name`` in this process; return its images/s after the first epoch."""
     keras.utils.set_random_seed(0)
     dataset = cnnpar.data.pipeline(train.x, train.y, BATCH, shuffle=True, seed=0)
     timer = EpochTimer(len(train))

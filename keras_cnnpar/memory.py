@@ -149,45 +149,36 @@ def channel_sharded_values(model, shards, batch_axis=False):
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
     1.24
     """
-    layouts = channel_layouts(model)  # {layer name: (input sharded, output sharded)}; the model's input is whole
+    layouts = channel_layouts(model)  # the model's input layer is not in it: its images are whole
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
-        kept[layer.name] += _values(tensor) / (shards if layouts.get(layer.name, (False, False))[1] else 1)
-    differentiable = _differentiable_tensors(model)
+        kept[layer.name] += _values(tensor) / (shards if layer.name in layouts and layouts[layer.name].output_sharded
+                                               else 1)
     held = peak = 0
     for layer, node in _nodes(model):
         held += kept.pop(layer.name, 0)
         if isinstance(layer, keras.layers.Conv2D):
-            copy, transient = _convolution_buffers(layer, node, layouts[layer.name][0], shards, batch_axis,
-                                                   id(node.input_tensors[0]) in differentiable)
+            copy, transient = _convolution_buffers(layer, node, layouts[layer.name], shards, batch_axis)
             held += copy
             peak = max(peak, held + transient)
     return max(held, peak)
 
 
-def _convolution_buffers(layer, node, input_sharded, shards, batch_axis, input_gradient):
-    """Values per example of a channel-sharded convolution's own buffers: the copy it keeps for its gradient
-    besides its input, and what its input gradient holds for a moment (im2col's ``kh*kw`` padded pieces)."""
+def _convolution_buffers(layer, node, layout, shards, batch_axis):
+    """Values per example of a channel-sharded convolution's own buffers (its :class:`ChannelLayout` given):
+    the copy it keeps for its gradient besides its input, and what its input gradient holds for a moment
+    (im2col's ``kh*kw`` padded pieces)."""
     _, height, width, channels = node.input_tensors[0].shape
     (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
-    mode = "row" if input_sharded else "column"
+    mode = "row" if layout.input_sharded else "column"
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
     if form in ("split batch", "filter gradient"):
         return int(np.prod(padded[1:])) / shards, 0
     (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape
-    share = shards if input_sharded else 1
-    pieces = kh * kw * int(np.prod(padded[1:])) / share if input_gradient else 0
+    share = shards if layout.input_sharded else 1
+    pieces = kh * kw * int(np.prod(padded[1:])) / share if layout.input_gradient else 0
     return kh * kw * out_height * out_width * channels / share, pieces
-
-
-def _differentiable_tensors(model):
-    """The ids of ``model``'s tensors that depend on a trainable weight (a gradient flows back into them)."""
-    found = set()
-    for layer, node in _nodes(model):
-        if layer.trainable_weights or any(id(tensor) in found for tensor in node.input_tensors):
-            found.update(id(tensor) for tensor in node.output_tensors)
-    return found
 
 
 def _values(tensor):

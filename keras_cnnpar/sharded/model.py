@@ -245,21 +245,32 @@ def output_tensor(layer, inputs):
     return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable)
 
 
+class ChannelLayout(typing.NamedTuple):
+    """A layer's place under channel sharding: whether the channels of its first input and of its output are
+    sharded, and whether a gradient flows into its first input (something before it has weights)."""
+
+    input_sharded: bool
+    output_sharded: bool
+    input_gradient: bool
+
+
 def channel_layouts(model):
-    """``{layer name: (input sharded, output sharded)}`` for every layer of ``model`` under channel sharding
-    (whether the channels of its first input and of its output are sharded): the layouts
-    :class:`ShardedModel` gives, without a mesh.
+    """``{layer name: ChannelLayout}`` for every layer of ``model``: the layouts :class:`ShardedModel` gives,
+    without a mesh.
 
     >>> from keras_cnnpar import models
     >>> layouts = channel_layouts(models.cnn("2+2"))  # conv, pool, conv, pool, flatten, dense, dropout, dense
-    >>> [output for _, output in layouts.values()]
+    >>> [layout.output_sharded for layout in layouts.values()]
     [True, True, False, False, False, True, True, False]
+    >>> [layout.input_gradient for layout in layouts.values()][:3]  # the first convolution reads the images
+    [False, True, True]
     """
     input_key, calls, _ = layer_graph(model)
     tensors, layouts = {input_key: _Tensor(False, None, False)}, {}
     for layer, inputs, output in calls:
         tensors[output] = output_tensor(layer, [tensors[key] for key in inputs])
-        layouts[layer.name] = (tensors[inputs[0]].sharded, tensors[output].sharded)
+        first = tensors[inputs[0]]
+        layouts[layer.name] = ChannelLayout(first.sharded, tensors[output].sharded, first.differentiable)
     return layouts
 
 
