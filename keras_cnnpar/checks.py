@@ -170,8 +170,8 @@ class ShardCheck(keras.callbacks.Callback):
     replicas. Overlap means the replicas compute the same gradient, so the
     extra devices add no data. The logs get ``shard_overlap``: the largest
     share of one replica's examples that another replica also got (0.0 when
-    the input is sharded; NaN for one replica, or for a strategy whose workers
-    read their own streams, such as async-ps).
+    the input is sharded; NaN for one replica, or for a strategy whose steps
+    each run on one worker with the whole batch, such as async-ps).
 
     Args:
         strategy: the strategy of the run.

@@ -166,3 +166,23 @@ def test_the_3_plus_3_cnn_under_async_ps_2_never_collapses_and_reaches_single(se
     assert accuracy["single"][-1] >= 0.92
     assert min(accuracy["async"][1:]) >= 0.80, accuracy  # no collapse after the first epoch
     assert max(accuracy["async"][1:]) >= accuracy["single"][-1] - 0.03, accuracy
+
+
+def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():
+    """With the learning rate at 0 the weights never move, so an epoch's loss and accuracy depend only on which
+    batches it trained on: AsyncPS(4), one step per scheduled group, gives Single's, and the optimizer counts
+    every step. (Before, each worker read the epoch from a random offset of its own, some batches twice and
+    others never; Keras's metric and step counters, read and written back by 4 workers at once, lost counts.)"""
+    digits = cnnpar.data.load()
+    x, y = digits.x[:1024], digits.y[:1024]  # 16 batches of 64
+    logs, iterations = {}, {}
+    for name, strategy in [("single", cnnpar.Single()),
+                           ("async", cnnpar.AsyncPS(workers=4, steps_per_execution=1, warmup_steps=0,
+                                                    checkpoint_dir=None))]:
+        model = build_small_cnn(seed=0, learning_rate=0.0)
+        history = model.fit(x, y, batch_size=64, epochs=2, strategy=strategy, results_dir=None, verbose=0)
+        logs[name] = {key: history.history[key] for key in ("loss", "accuracy")}
+        iterations[name] = int(model.optimizer.iterations.numpy())
+    assert logs["async"]["accuracy"] == logs["single"]["accuracy"], logs
+    assert np.allclose(logs["async"]["loss"], logs["single"]["loss"], rtol=1e-6, atol=0), logs
+    assert iterations == {"single": 32, "async": 32}

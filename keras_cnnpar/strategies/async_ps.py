@@ -25,11 +25,13 @@ class AsyncPS(CheckpointedStrategy):
     ``variable_partitioner`` fails in Keras 3's optimizer:
     "ShardedVariable doesn't support being used as a reference"). This process is the coordinator: it schedules groups
     of ``steps_per_execution`` training steps with ``ClusterCoordinator``, and
-    whichever worker is free runs the next group on its own stream of batches
+    whichever worker is free runs the next group (the epoch's next batches)
     and applies its gradients at once. Each step uses the whole ``batch_size``
     on one worker; an epoch is the usual number of steps, spread over the
-    workers. Every worker starts its stream at an offset of its own, so the
-    workers do not train on the same batch at the same time.
+    workers. Each scheduled group names its batches (the epoch's next
+    ``steps_per_execution``, in order), so an epoch trains on every batch once,
+    as under ``Single``, whichever worker runs which group, and a group that
+    a lost worker left unfinished runs again on its own batches elsewhere.
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
@@ -224,7 +226,7 @@ class AsyncPS(CheckpointedStrategy):
         return AsyncRun(self, connection, settings, prepared, checkpoint)
 
     def replica_batches(self, dataset):
-        raise NotImplementedError("each worker reads its own stream, from an offset of its own")
+        raise NotImplementedError("each scheduled group of steps reads its own batches of the epoch")
 
     def probe(self):
         raise NotImplementedError("a one-step probe would need a coordinator process and a cluster of its own")
@@ -274,7 +276,7 @@ class AsyncRun(base.Run):
     def fit(self, epoch_batches, *, epochs=1, steps_per_epoch, validation_data=None, validation_steps=None,
             callbacks=None, initial_epoch=0, verbose=1):
         """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
-        finite dataset of batches, which the workers read, each from an offset of its own."""
+        finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
         strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
         async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution)
         evaluator = _evaluator(prepared) if validation_data is not None else None
@@ -332,28 +334,34 @@ class _AsyncLoop:
         self._steps = self._traced_steps()  # traced at its first call
 
     def run_epoch(self, steps, batches):
-        """Run ``steps`` steps on the workers, each reading ``batches`` (one epoch's) from an offset of its own."""
+        """Run ``steps`` steps on the workers, one for each batch of ``batches`` (one epoch's), in groups."""
         self.model.reset_metrics()
-        iterator = iter(self.coordinator.create_per_worker_dataset(_offset_on_each_worker(batches.repeat(), steps)))
-        applied_before = int(self.applied.numpy())
-        groups = [self.steps_per_group] * (steps // self.steps_per_group)
-        groups += [steps % self.steps_per_group] if steps % self.steps_per_group else []
+        epoch = _IndexedBatches(batches)
+        iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
+        applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
+        counted_before = int(iterations.numpy())
+        groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
         results = []
         while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
-            results.append(self._schedule(iterator, groups.pop(0)))
+            results.append(self._schedule(iterator, *groups.pop(0)))
             self.coordinator.join()
-        results += [self._schedule(iterator, size) for size in groups]
+        results += [self._schedule(iterator, *group) for group in groups]
         self.coordinator.join()
+        applied = int(self.applied.numpy()) - applied_before
+        # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
+        # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
+        iterations.assign(counted_before + applied)
         loss, staleness = np.concatenate([r.fetch() for r in results]).T
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
         return {**logs, "loss": float(loss.mean()), "staleness_mean": float(staleness.mean()),
-                "staleness_max": float(staleness.max()),
-                "steps_applied": float(int(self.applied.numpy()) - applied_before),
+                "staleness_max": float(staleness.max()), "steps_applied": float(applied),
                 "lost_workers": float(len(network.unreachable(self.workers)))}
 
-    def _schedule(self, iterator, size):
-        """Schedule ``size`` steps on a free worker, reading ``iterator``; return their remote result."""
-        return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(size, tf.int32)))
+    def _schedule(self, iterator, first, size):
+        """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker; return
+        their remote result."""
+        return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
+                                                             tf.constant(size, tf.int32)))
 
     def _traced_steps(self):
         """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
@@ -376,19 +384,40 @@ class _AsyncLoop:
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
-            model.compute_metrics(x, y, y_pred)
+            _add_metrics(model, x, y, y_pred)
             with tf.control_dependencies(gradients):
                 staleness = applied.assign_add(1) - 1 - seen
             return tf.stack([loss, tf.cast(staleness, loss.dtype)])
 
         @tf.function
-        def steps(iterator, size):
+        def steps(iterator, first, size):
+            epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
             results = tf.TensorArray(tf.float32, size=size)
             for i in tf.range(size):
-                results = results.write(i, tf.cast(tf_strategy.run(one_step, args=(next(iterator),)), tf.float32))
+                batch = _IndexedBatches.batch(epoch, first + i)
+                results = results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch,)), tf.float32))
             return results.stack()
 
         return steps
+
+
+def _add_metrics(model, x, y, y_pred):
+    """Update ``model``'s metrics with one batch, adding what it adds to each of their variables in one atomic
+    ``assign_add`` of TensorFlow's.
+
+    Keras's own update reads a metric variable and writes it back
+    (``Variable.assign_add`` is ``assign(self + value)``), so workers that
+    update at once lose each other's counts: a 4-worker epoch's training
+    accuracy read 0.0104 where its batches' was 0.0156. Metrics that only add
+    to their variables (Keras's means, sums, counts and confusion matrices)
+    come out as under ``Single``.
+    """
+    state = [variable for metric in model.metrics for variable in metric.variables]
+    with keras.StatelessScope(state_mapping=[(v, tf.zeros(v.shape, v.dtype)) for v in state]) as batch_only:
+        model.compute_metrics(x, y, y_pred)
+        added = [batch_only.get_current_value(variable) for variable in state]
+    for variable, value in zip(state, added):
+        variable.value.assign_add(value)
 
 
 #: Optimizers that divide each step by a running measure of the gradients' size (Keras's names; those a Keras
@@ -440,15 +469,38 @@ def _bytes_per_task(variables):
     return held
 
 
-def _offset_on_each_worker(batches, window):
-    """``batches`` from an offset of its own on every worker, below ``window`` batches.
+class _IndexedBatches:
+    """One epoch's batches in memory, addressable by their index: every part's examples concatenated, with each
+    batch's start and size.
 
-    Every worker runs the same dataset graph, so with a seeded shuffle they would
-    all train on the same batch at the same time. Each worker skips a number of
-    batches read from its clock when its iterator starts.
+    A worker's dataset holds the epoch as one element of constants (its
+    graph carries them, so workers on other hosts, which cannot read this
+    host's files, have them too); a scheduled group reads that element once
+    and slices its batches out of it.
+
+    >>> batches = tf.data.Dataset.range(5).batch(2).map(lambda x: (x, -x))
+    >>> epoch = next(iter(_IndexedBatches(batches).dataset()))
+    >>> [[part.numpy().tolist() for part in _IndexedBatches.batch(epoch, i)] for i in range(3)]
+    [[[0, 1], [0, -1]], [[2, 3], [-2, -3]], [[4], [-4]]]
     """
-    clock = tf.data.Dataset.from_tensors(0).map(lambda _: tf.cast(tf.timestamp() * 1e6, tf.int64))
-    return clock.flat_map(lambda microseconds: batches.skip(microseconds % window))
+
+    def __init__(self, batches):
+        batches = list(batches.as_numpy_iterator())
+        self.whole = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
+        self.sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in batches], np.int64)
+
+    def dataset(self):
+        """The epoch, repeated as one element: ``(whole, starts, sizes)``."""
+        starts = np.cumsum(self.sizes) - self.sizes
+        return tf.data.Dataset.from_tensors((self.whole, starts, self.sizes)).repeat()
+
+    @staticmethod
+    def batch(epoch, index):
+        """Batch ``index`` of ``epoch`` (an element of :meth:`dataset`), counted round the epoch."""
+        whole, starts, sizes = epoch
+        index = tf.cast(index, tf.int64) % tf.size(sizes, out_type=tf.int64)
+        start, size = starts[index], sizes[index]
+        return tf.nest.map_structure(lambda part: part[start:start + size], whole)
 
 
 def _evaluator(prepared):

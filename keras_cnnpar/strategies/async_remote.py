@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import network, rebuild
@@ -194,17 +193,6 @@ def _receive():
     return json.loads(line)
 
 
-def _in_memory(batches):
-    """``batches`` (a finite dataset) as one whose tensors are constants of its graph, batch for batch, so that
-    workers on other hosts, which cannot read this host's files, read it too."""
-    batches = list(batches.as_numpy_iterator())
-    whole = tf.nest.map_structure(lambda *parts: tf.constant(np.concatenate(parts)), *batches)
-    sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in batches], np.int64)
-    starts = np.cumsum(sizes) - sizes
-    return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(
-        lambda start, size: tf.nest.map_structure(lambda part: part[start:start + size], whole))
-
-
 def _remove_when_orphaned(folder, parent):
     """Watch the user's process ``parent``: once it is gone, remove ``folder`` and end this process."""
     def watch():
@@ -239,7 +227,7 @@ def main(folder, parent, private_network=False):
         def epoch_batches(epoch):
             message = _receive()
             training.model.optimizer.learning_rate = message["learning_rate"]
-            return _in_memory(tf.data.Dataset.load(str(folder / message["train"])))
+            return tf.data.Dataset.load(str(folder / message["train"]))
 
         training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
         training.finalize(model)
