@@ -56,8 +56,9 @@ class AsyncPS(CheckpointedStrategy):
     being ready to apply), and ``steps_applied`` (counted on the parameter
     servers), ``lost_workers`` (workers that no longer answer at the epoch's
     end; their unfinished steps ran again on the others). ``loss`` is the mean
-    of the steps' losses. Smooth the loss curve (e.g. a moving average)
-    before comparing it with a synchronous run.
+    of the steps' losses weighted by their batch sizes, as Keras reports it.
+    Smooth the loss curve (e.g. a moving average) before comparing it with a
+    synchronous run.
 
     ``cluster=None`` starts a local cluster of TensorFlow gRPC servers on
     loopback, in the run's coordinator process (each worker with
@@ -351,9 +352,9 @@ class _AsyncLoop:
         # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
         # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
         iterations.assign(counted_before + applied)
-        loss, staleness = np.concatenate([r.fetch() for r in results]).T
+        loss, staleness, size = np.concatenate([r.fetch() for r in results]).T
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
-        return {**logs, "loss": float(loss.mean()), "staleness_mean": float(staleness.mean()),
+        return {**logs, "loss": float(np.average(loss, weights=size)), "staleness_mean": float(staleness.mean()),
                 "staleness_max": float(staleness.max()), "steps_applied": float(applied),
                 "lost_workers": float(len(network.unreachable(self.workers)))}
 
@@ -387,7 +388,7 @@ class _AsyncLoop:
             _add_metrics(model, x, y, y_pred)
             with tf.control_dependencies(gradients):
                 staleness = applied.assign_add(1) - 1 - seen
-            return tf.stack([loss, tf.cast(staleness, loss.dtype)])
+            return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(tf.shape(y)[0], loss.dtype)])
 
         @tf.function
         def steps(iterator, first, size):
