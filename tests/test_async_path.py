@@ -1,6 +1,6 @@
 """AsyncPS's one path, seen from the user's process: the coordinator process trains near Single, never collapsing,
-listens on no port of this machine, keeps at most one pass of the data in its folder, and hands back the trained
-optimizer state.
+on every batch once, counting every step, listens on no port of this machine, keeps at most one pass of the data
+in its folder, and hands back the trained optimizer state.
 
 The coordinator is a process of its own whichever comes first, the model or the
 strategy, so these fits run in the test process itself.
