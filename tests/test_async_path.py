@@ -19,7 +19,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import network
-from keras_cnnpar.strategies import async_remote
+from keras_cnnpar.strategies import async_ps, async_remote
 from tests.helpers import build_small_cnn, descendants
 
 pytestmark = pytest.mark.slow  # parameter-server clusters in processes of their own
@@ -186,3 +186,41 @@ def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():
     assert logs["async"]["accuracy"] == logs["single"]["accuracy"], logs
     assert np.allclose(logs["async"]["loss"], logs["single"]["loss"], rtol=1e-6, atol=0), logs
     assert iterations == {"single": 32, "async": 32}
+
+
+class MaxSeen(keras.metrics.Metric):
+    """A metric that does not add to its variable: the largest prediction seen."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.largest = self.add_variable(shape=(), initializer="zeros", name="largest")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.largest.assign(keras.ops.maximum(self.largest, keras.ops.max(y_pred)))
+
+    def result(self):
+        return self.largest
+
+
+def test_the_workers_metric_update_adds_keras_metrics_and_leaves_others_keras_update():
+    """AsyncPS's metric update (in a worker's step, here eagerly) gives the results of Keras's own: Keras's
+    metrics through an atomic add of what the batch adds, a metric of another module (a running maximum,
+    which adding would turn into a sum of maxima) through its own update."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 10, 8), rng.random((8, 10), dtype="float32")) for _ in range(3)]
+    models = []
+    for _ in range(2):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(10, activation="softmax")])
+        metrics = ["accuracy", MaxSeen(name="max_seen"), keras.metrics.SparseTopKCategoricalAccuracy(3, name="top_3")]
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=metrics)
+        model.compute_metrics(None, *batches[0])  # builds the compiled metrics, as the coordinator's first step
+        model.reset_metrics()
+        models.append(model)
+    for y, y_pred in batches:
+        models[0].compute_metrics(None, y, y_pred)
+        async_ps._add_metrics(models[1], None, y, y_pred)
+    keras_update, workers_update = (model.get_metrics_result() for model in models)
+    assert set(workers_update) == {"accuracy", "max_seen", "top_3", "loss"}
+    for name, value in keras_update.items():
+        assert float(workers_update[name]) == pytest.approx(float(value), abs=1e-7), name
+    assert float(keras_update["max_seen"]) < 1.0  # a maximum of softmax values, not a sum of three

@@ -403,22 +403,45 @@ class _AsyncLoop:
 
 
 def _add_metrics(model, x, y, y_pred):
-    """Update ``model``'s metrics with one batch, adding what it adds to each of their variables in one atomic
-    ``assign_add`` of TensorFlow's.
+    """Update ``model``'s metrics with one batch; Keras's own metrics by adding what the batch adds to each of
+    their variables in one atomic ``assign_add`` of TensorFlow's.
 
     Keras's own update reads a metric variable and writes it back
     (``Variable.assign_add`` is ``assign(self + value)``), so workers that
     update at once lose each other's counts: a 4-worker epoch's training
-    accuracy read 0.0104 where its batches' was 0.0156. Metrics that only add
-    to their variables (Keras's means, sums, counts and confusion matrices)
-    come out as under ``Single``.
+    accuracy read 0.0104 where its batches' was 0.0156. Keras's metrics only
+    add to their variables (means, sums, counts, confusion matrices), so
+    theirs come out as under ``Single``. A metric of another module may do
+    otherwise (keep a maximum, say): it keeps Keras's read and write-back.
     """
+    additive = {id(variable) for metric in _leaf_metrics(model.metrics) if _keras_metric(metric)
+                for variable in metric.variables}
     state = [variable for metric in model.metrics for variable in metric.variables]
-    with keras.StatelessScope(state_mapping=[(v, tf.zeros(v.shape, v.dtype)) for v in state]) as batch_only:
+    start = [tf.zeros(v.shape, v.dtype) if id(v) in additive else v.value for v in state]
+    with keras.StatelessScope(state_mapping=list(zip(state, start))) as batch_only:
         model.compute_metrics(x, y, y_pred)
-        added = [batch_only.get_current_value(variable) for variable in state]
-    for variable, value in zip(state, added):
-        variable.value.assign_add(value)
+        updated = [batch_only.get_current_value(variable) for variable in state]
+    for variable, value in zip(state, updated):
+        if id(variable) in additive:
+            variable.value.assign_add(value)
+        else:
+            variable.assign(value)
+
+
+def _leaf_metrics(metrics):
+    """The metrics in ``metrics``, with the ones Keras's ``CompileMetrics`` holds in its place."""
+    for metric in metrics:
+        inner = getattr(metric, "metrics", None)
+        yield from _leaf_metrics(inner) if inner else [metric]
+
+
+def _keras_metric(metric):
+    """Whether ``metric`` is one of Keras's own (``keras.metrics``, or a function it wraps in one).
+
+    >>> _keras_metric(keras.metrics.AUC()), _keras_metric(keras.metrics.MeanMetricWrapper(lambda y, p: y))
+    (True, True)
+    """
+    return type(metric).__module__.startswith("keras.")
 
 
 #: Optimizers that divide each step by a running measure of the gradients' size (Keras's names; those a Keras
