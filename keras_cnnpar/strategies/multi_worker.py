@@ -277,7 +277,7 @@ def heartbeat_timeout(timeout):
 
 def _coordinate(task, timeout):
     """Configure TensorFlow's coordination service as ``MultiWorkerMirroredStrategy`` would (which then keeps
-    it), with the heartbeat timeout :func:`heartbeat_timeout`.
+    it), with the heartbeat timeout :func:`heartbeat_timeout`; TensorFlow's public API has no setting for it.
 
     A host whose link goes down is caught twice: by the coordination service's heartbeats (10 s by default) and
     by the collective timeout. When both aborted the collectives at once (``--collective-timeout 10``), TensorFlow
