@@ -5,7 +5,9 @@
    sharded kernel) against the two formulations ``ChannelShardedConv2D``
    chooses from: ``conv_as_matmul`` (im2col, hand-written col2im gradient) and
    ``conv_as_filter_gradient`` (``Conv2DBackpropFilter`` with the roles
-   swapped). The rule in ``ChannelShardedConv2D.swaps_roles`` comes from these.
+   swapped). The row-mode rule of ``ChannelShardedConv2D.formulation`` comes
+   from these; every convolution on ChannelSharded's 1-D mesh now runs in
+   column mode, so it serves a ``ChannelShardedConv2D(mode="row")`` built directly.
 2. Epoch images/s of ``Single``, ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` on
    the 2+2, the 3+3 and the resnet (4,000 mnist-5k digits, global batch 64),
    interleaved in rounds in one process; the step-time ratio to Single is

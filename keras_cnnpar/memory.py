@@ -33,7 +33,7 @@ import keras
 import numpy as np
 
 from keras_cnnpar.sharded.layers import formulation, same_padding
-from keras_cnnpar.sharded.model import channel_layouts
+from keras_cnnpar.sharded.model import channel_layouts, sharded_mode
 
 #: Layers whose weights the tensor-parallel strategies shard over the "model" axis.
 SHARDED_LAYERS = (keras.layers.Conv2D, keras.layers.Dense)
@@ -134,22 +134,22 @@ def channel_sharded_values(model, shards, batch_axis=False):
     over ``shards`` (``batch_axis``: a mesh that also splits the batch, which leaves only im2col).
 
     Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
-    convolution's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
+    layer's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
     sharded; each convolution adds the copy its formulation keeps for its gradient: the batch split over the
     devices with whole channels (split batch), its sharded input transposed (filter gradient), or its
     ``kh*kw`` stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs
     for a moment (one per window, summed at the end); the backward pass meets it when the tensors kept after
     that convolution are already freed, so the peak is the largest of those moments and the whole kept set.
 
-    On two devices the resnet holds more per device than on one (whole tensors on both, and the convolutions'
-    copies), not half; its peak is the second strided convolution's input gradient:
+    On two devices the resnet's tensors are all sharded, but each convolution keeps its input once more, split
+    over the batch with whole channels: more than half of what one device holds per example:
 
     >>> import keras_cnnpar as cnnpar
     >>> resnet = cnnpar.models.cnn("resnet")
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
-    1.24
+    0.84
     """
-    layouts = channel_layouts(model)  # the model's input layer is not in it: its images are whole
+    layouts = channel_layouts(model, batch_axis)  # the model's input layer is not in it: its images are whole
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
         kept[layer.name] += _values(tensor) / (shards if layer.name in layouts and layouts[layer.name].output_sharded
@@ -171,12 +171,12 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
     _, height, width, channels = node.input_tensors[0].shape
     (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
-    mode = "row" if layout.input_sharded else "column"
+    mode = sharded_mode(layer, layout.input_sharded, batch_axis)
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
     if form in ("split batch", "filter gradient"):
         return int(np.prod(padded[1:])) / shards, 0
     (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape
-    share = shards if layout.input_sharded else 1
+    share = shards if mode == "row" else 1  # column mode gathers its input's channels first
     pieces = kh * kw * int(np.prod(padded[1:])) / share if layout.input_gradient else 0
     return kh * kw * out_height * out_width * channels / share, pieces
 

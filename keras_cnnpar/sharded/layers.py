@@ -142,6 +142,11 @@ class ShardedLayer(WeightedModule):
                 f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}. "
                 f"Received: model shards={shards}")
 
+    def _mode_input(self, x):
+        """``x`` with the channels this layer's mode takes: whole in column mode, sharded in row mode (cutting
+        whole channels into shards needs no communication)."""
+        return dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.mode == "row"))
+
     def _finish(self, y):
         """Add the bias, fix the output layout and apply the activation."""
         if self.use_bias:
@@ -206,6 +211,8 @@ class ChannelShardedConv2D(ShardedLayer):
         x = tf.cast(x, self.compute_dtype)
         kernel = tf.cast(self.kernel.read_value(), self.compute_dtype)
         form = self.formulation([n + sum(pad) for n, pad in zip(x.shape, pads)])
+        if form != "split batch":  # which takes any layout
+            x = self._mode_input(x)
         if form == "split batch":
             y = conv_on_split_batch(x, kernel, self.mesh, self.strides, pads)
         elif form == "filter gradient":
@@ -254,7 +261,7 @@ class ShardedDense(ShardedLayer):
         super().__init__(layer, mesh, mode, (*input_shape, layer.units))
 
     def __call__(self, x, training=False):
-        axes = "hwc"[-(x.shape.rank - 1):]
+        axes, x = "hwc"[-(x.shape.rank - 1):], self._mode_input(x)
         y = tf.einsum(f"b{axes},{axes}o->bo", tf.cast(x, self.compute_dtype), tf.cast(self.kernel, self.compute_dtype))
         y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
         return self._finish(y)

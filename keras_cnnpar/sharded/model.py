@@ -3,13 +3,18 @@
 The model is a ``keras.Sequential`` or a functional graph (one input, one
 output, each layer called once). Its layers run in a topological order of the
 graph, and each tensor keeps a layout: channels whole or sharded over
-``"model"``. A Conv2D or Dense whose input channels are sharded runs in row
-mode, else in column mode, so a chain alternates column and row as Megatron
-pairs its layers. BatchNormalization, pooling, padding, dropout and
-activations keep the layout they get; an ``Add`` (or another elementwise
-merge) of a sharded and a whole tensor first cuts the whole one into shards
-(a re-layout without communication); ``Concatenate`` gathers its inputs'
-channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
+``"model"``. On a mesh without a ``"batch"`` axis every Conv2D runs in column
+mode (output channels sharded): its convolution runs on the batch split over
+``"model"``, which takes any input layout, so everything up to the next Dense
+stays sharded. On a mesh with a ``"batch"`` axis (im2col only), and for Dense
+layers, a layer whose input channels are sharded runs in row mode, else in
+column mode, so a chain alternates column and row as Megatron pairs its
+layers; a Dense whose output is gathered anyway (a softmax, the model's
+output) runs in row mode, so its units need not split. BatchNormalization,
+pooling, padding, dropout and activations keep the layout they get; an
+``Add`` (or another elementwise merge) of a sharded and a whole tensor first
+cuts the whole one into shards (a re-layout without communication);
+``Concatenate`` gathers its inputs' channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
 after it, which then holds its kernel as ``(h, w, c, units)`` sharded on
 ``c``. The output of the model always has whole channels. Every layer's
 output is pinned to its layout (``dtensor.relayout``): left to DTensor's
@@ -25,8 +30,8 @@ Example:
 >>> model = models.cnn("2+2")
 >>> sharded = ShardedModel(model, mesh)
 >>> [(type(layer).__name__, layer.mode) for layer in sharded.sharded_layers]  # doctest: +NORMALIZE_WHITESPACE
-[('ChannelShardedConv2D', 'column'), ('ChannelShardedConv2D', 'row'),
- ('ShardedDense', 'column'), ('ShardedDense', 'row')]
+[('ChannelShardedConv2D', 'column'), ('ChannelShardedConv2D', 'column'),
+ ('ShardedDense', 'row'), ('ShardedDense', 'row')]
 >>> x = np.random.default_rng(0).random((2, 28, 28, 1), dtype="float32")
 >>> bool(np.allclose(sharded.forward(x), model.predict(x, verbose=0), atol=1e-5))
 True
@@ -226,14 +231,31 @@ def mixes_channels(layer):
     return isinstance(layer, keras.layers.Softmax) or (isinstance(name, str) and name in CHANNEL_MIXING)
 
 
-def output_tensor(layer, inputs):
+def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
+    """The mode of a Conv2D or Dense ``layer`` whose input channels are sharded or not, on a mesh with a
+    ``"batch"`` axis or not, as the model's output or not: the rule of the module docstring.
+
+    >>> conv, logits = keras.layers.Conv2D(8, 3), keras.layers.Dense(10, activation="softmax")
+    >>> sharded_mode(conv, input_sharded=True), sharded_mode(conv, input_sharded=True, batch_axis=True)
+    ('column', 'row')
+    >>> sharded_mode(logits, input_sharded=False)  # its output is gathered anyway: 10 units need not split
+    'row'
+    """
+    if type(layer).__name__ == "Conv2D":
+        return "row" if input_sharded and batch_axis else "column"  # split batch (no "batch" axis) takes any layout
+    return "row" if input_sharded or model_output or mixes_channels(layer) else "column"
+
+
+def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
-    rule of the module docstring, without a mesh. A Conv2D or Dense on whole channels (column mode) shards its
-    output's channels, on sharded ones (row mode) returns them whole; a merge is sharded if any input is."""
+    rule of the module docstring, without a mesh (``batch_axis``: whether the mesh has a ``"batch"`` axis;
+    ``model_output``: whether it is the model's output). A Conv2D or Dense in column mode shards its output's
+    channels, in row mode returns them whole; a merge is sharded if any input is."""
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     if kind in ("Conv2D", "Dense"):
-        return _Tensor(not first.sharded and not mixes_channels(layer), None, True)
+        column = sharded_mode(layer, first.sharded, batch_axis, model_output) == "column"
+        return _Tensor(column and not mixes_channels(layer), None, True)
     if kind == "BatchNormalization":
         return _Tensor(first.sharded, None, True)
     if kind in Merge.FUNCTIONS:
@@ -254,21 +276,23 @@ class ChannelLayout(typing.NamedTuple):
     input_gradient: bool
 
 
-def channel_layouts(model):
-    """``{layer name: ChannelLayout}`` for every layer of ``model``: the layouts :class:`ShardedModel` gives,
-    without a mesh.
+def channel_layouts(model, batch_axis=False):
+    """``{layer name: ChannelLayout}`` for every layer of ``model``: the layouts :class:`ShardedModel` gives on a
+    mesh with a ``"batch"`` axis or not (``batch_axis``), without a mesh.
 
     >>> from keras_cnnpar import models
     >>> layouts = channel_layouts(models.cnn("2+2"))  # conv, pool, conv, pool, flatten, dense, dropout, dense
     >>> [layout.output_sharded for layout in layouts.values()]
+    [True, True, True, True, True, False, False, False]
+    >>> [layout.output_sharded for layout in channel_layouts(models.cnn("2+2"), batch_axis=True).values()]
     [True, True, False, False, False, True, True, False]
     >>> [layout.input_gradient for layout in layouts.values()][:3]  # the first convolution reads the images
     [False, True, True]
     """
-    input_key, calls, _ = layer_graph(model)
+    input_key, calls, output_key = layer_graph(model)
     tensors, layouts = {input_key: _Tensor(False, None, False)}, {}
     for layer, inputs, output in calls:
-        tensors[output] = output_tensor(layer, [tensors[key] for key in inputs])
+        tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key)
         first = tensors[inputs[0]]
         layouts[layer.name] = ChannelLayout(first.sharded, tensors[output].sharded, first.differentiable)
     return layouts
@@ -321,7 +345,7 @@ class ShardedModel(tf.Module):
         tensors = {self.input_key: _Tensor(False, None, False)}
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
-            op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs])
+            op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
             self.nodes.append(_Node(op, inputs, output, tensors[output].sharded))
             converted[layer.name] = op
         #: The modules with weights, in the Keras model's layer order (its weight order).
@@ -330,21 +354,22 @@ class ShardedModel(tf.Module):
         for layer in self.sharded_layers[:-1] if compute_dtype else ():
             layer.compute_dtype = tf.as_dtype(compute_dtype)
 
-    def _convert(self, layer, index, inputs):
+    def _convert(self, layer, index, inputs, output_key):
         """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
-        kind = type(layer).__name__
+        kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}. Received: layer={layer.name!r} ({kind})")
-        first, output = inputs[0], output_tensor(layer, inputs)
+        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, output_key == self.output_key)
         if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
             raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
                              f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
+        mode = sharded_mode(layer, first.sharded, batch_axis, output_key == self.output_key)
         if kind == "Conv2D":
-            op = ChannelShardedConv2D(layer, self.mesh, "row" if first.sharded else "column")
+            op = ChannelShardedConv2D(layer, self.mesh, mode)
             op.input_gradient = any(t.differentiable for t in inputs)
         elif kind == "Dense":
-            op = ShardedDense(layer, self.mesh, "row" if first.sharded else "column", input_shape=first.folded)
+            op = ShardedDense(layer, self.mesh, mode, input_shape=first.folded)
         elif kind == "BatchNormalization":
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
         elif kind in Merge.FUNCTIONS:

@@ -22,9 +22,10 @@ class ChannelSharded(Strategy):
 
     The model (``Sequential`` or functional) is rebuilt on a 1-D DTensor mesh
     ``("model",)``. Its Conv2D and Dense layers become ``ChannelShardedConv2D``
-    and ``ShardedDense``, which alternate column mode (output channels sharded)
-    and row mode (input channels sharded, partial sums all-reduced), as
-    Megatron pairs its layers; BatchNormalization normalizes each device's
+    and ``ShardedDense``: every convolution in column mode (output channels
+    sharded), the Dense layers alternating column and row mode (input
+    channels sharded, partial sums all-reduced), as Megatron pairs its
+    layers; BatchNormalization normalizes each device's
     channels over the whole batch (its weights and moving statistics sharded
     like the channels); pooling, padding, flatten, dropout, activations and
     merges pass the layouts through (``cnnpar.sharded.ShardedModel``). Every
