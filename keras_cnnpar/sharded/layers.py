@@ -164,9 +164,10 @@ class ShardedLayer(WeightedModule):
 class ChannelShardedConv2D(ShardedLayer):
     """A ``keras.layers.Conv2D`` whose kernel is sharded over the mesh's ``"model"`` axis.
 
-    ``mode="column"`` shards the output channels (input channels whole,
-    output sharded); ``mode="row"`` shards the input channels (input sharded,
-    whole output channels). The kernel stays sharded between steps; how a step
+    ``mode="column"`` shards the output channels (input channels whole, or
+    any layout where the convolution runs on a split batch; output sharded);
+    ``mode="row"`` shards the input channels (input sharded, whole output
+    channels). The kernel stays sharded between steps; how a step
     computes the convolution is ``formulation``'s choice.
 
     Example:

@@ -5,21 +5,22 @@ output, each layer called once). Its layers run in a topological order of the
 graph, and each tensor keeps a layout: channels whole or sharded over
 ``"model"``. On a mesh without a ``"batch"`` axis every Conv2D runs in column
 mode (output channels sharded): its convolution runs on the batch split over
-``"model"``, which takes any input layout, so everything up to the next Dense
-stays sharded. On a mesh with a ``"batch"`` axis (im2col only), and for Dense
-layers, a layer whose input channels are sharded runs in row mode, else in
-column mode, so a chain alternates column and row as Megatron pairs its
-layers; a Dense whose output is gathered anyway (a softmax, the model's
-output) runs in row mode, so its units need not split. BatchNormalization,
-pooling, padding, dropout and activations keep the layout they get; an
-``Add`` (or another elementwise merge) of a sharded and a whole tensor first
-cuts the whole one into shards (a re-layout without communication);
-``Concatenate`` gathers its inputs' channels. A ``Flatten`` of sharded channels is folded into the ``Dense``
-after it, which then holds its kernel as ``(h, w, c, units)`` sharded on
-``c``. The output of the model always has whole channels. Every layer's
-output is pinned to its layout (``dtensor.relayout``): left to DTensor's
-layout propagation, a sharded layout reached the moments of a
-BatchNormalization on whole channels, and the step failed.
+``"model"``, which takes any input layout, so the tensors between
+convolutions stay sharded. On a mesh with a ``"batch"`` axis (im2col only),
+and for Dense layers, a layer whose input channels are sharded runs in row
+mode, else in column mode, so a chain alternates column and row as Megatron
+pairs its layers; a Dense whose output is gathered anyway (a softmax, the
+model's output) runs in row mode, so its units need not split.
+BatchNormalization, pooling, padding, dropout and activations keep the
+layout they get; an ``Add`` (or another elementwise merge) of a sharded and a
+whole tensor first cuts the whole one into shards (a re-layout without
+communication); ``Concatenate`` gathers its inputs' channels. A ``Flatten``
+of sharded channels is folded into the ``Dense`` after it, which then holds
+its kernel as ``(h, w, c, units)`` sharded on ``c``. The output of the model
+always has whole channels. Every layer's output is pinned to its layout
+(``dtensor.relayout``): left to DTensor's layout propagation, a sharded
+layout reached the moments of a BatchNormalization on whole channels, and
+the step failed.
 
 Example:
 
