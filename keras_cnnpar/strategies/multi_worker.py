@@ -283,8 +283,8 @@ def _coordinate(task, timeout):
     """Configure TensorFlow's coordination service as ``MultiWorkerMirroredStrategy`` would (which then keeps
     it), with the heartbeat timeout :func:`heartbeat_timeout`; TensorFlow's public API has no setting for it.
 
-    A host whose link goes down is caught twice: by the coordination service's heartbeats and
-    by the collective timeout. When both aborted the collectives at once (``--collective-timeout 10``), TensorFlow
+    A host whose link goes down is caught twice: by the coordination service's heartbeats and by the
+    collective timeout. When both aborted the collectives at once (``--collective-timeout 10``), TensorFlow
     now and then corrupted a mutex ("Mutex corrupt: waiting writer with no waiters") and the chief died of
     SIGABRT before it could say which peer it lost. With the heartbeats at half the timeout, the lost host is
     named by them 3-4 s after its link went down (measured), before any collective times out."""
