@@ -135,25 +135,28 @@ def channel_sharded_values(model, shards, batch_axis=False):
 
     Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
     layer's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
-    sharded; each convolution adds the copy its formulation keeps for its gradient: the batch split over the
-    devices with whole channels (split batch), its sharded input transposed (filter gradient), or its
-    ``kh*kw`` stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs
-    for a moment (one per window, summed at the end); the backward pass meets it when the tensors kept after
-    that convolution are already freed, so the peak is the largest of those moments and the whole kept set.
+    sharded or split over the batch; each convolution adds the copy its formulation keeps for its gradient:
+    its input padded and split over the batch (split batch; none for an input split already that the op
+    pads itself, Keras's ``"same"``), its
+    sharded input transposed (filter gradient), or its ``kh*kw`` stacked windows (im2col). An im2col
+    convolution's input gradient adds ``kh*kw`` padded inputs for a moment (one per window, summed at the
+    end); the backward pass meets it when the tensors kept after that convolution are already freed, so the
+    peak is the largest of those moments and the whole kept set.
 
-    On two devices the resnet's tensors are all sharded, but each convolution keeps its input once more, split
-    over the batch with whole channels: more than half of what one device holds per example:
+    On two devices the resnet's tensors are all split over the batch; only the first convolution keeps a
+    copy of its input (the images, split), so one device holds about half of what Single holds per example:
 
     >>> import keras_cnnpar as cnnpar
     >>> resnet = cnnpar.models.cnn("resnet")
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
-    0.84
+    0.51
     """
     layouts = channel_layouts(model, batch_axis)  # the model's input layer is not in it: its images are whole
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
-        kept[layer.name] += _values(tensor) / (shards if layer.name in layouts and layouts[layer.name].output_sharded
-                                               else 1)
+        layout = layouts.get(layer.name)
+        split = layout is not None and (layout.output_sharded or layout.output_batch_split)
+        kept[layer.name] += _values(tensor) / (shards if split else 1)
     held = peak = 0
     for layer, node in _nodes(model):
         held += kept.pop(layer.name, 0)
@@ -173,6 +176,9 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
     mode = sharded_mode(layer, layout.input_sharded, batch_axis)
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
+    if form == "split batch" and layout.input_batch_split and (layer.padding == "same" or not top + bottom + left
+                                                                + right):
+        return 0, 0  # its input is the split batch already, padded inside the op: nothing more to keep
     if form in ("split batch", "filter gradient"):
         return int(np.prod(padded[1:])) / shards, 0
     (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape

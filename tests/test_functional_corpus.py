@@ -100,14 +100,15 @@ def batch():
     return rng.random((8, 16, 16, 1), dtype="float32"), rng.integers(0, 10, 8)
 
 
-def after_one_step(build, strategy, dtype):
-    """The weights of ``build``'s model, copied in ``dtype``, after one SGD step on ``batch()`` under ``strategy``."""
+def after_one_step(build, strategy, dtype, images=8):
+    """The weights of ``build``'s model, copied in ``dtype``, after one SGD step on the first ``images`` of
+    ``batch()`` under ``strategy``."""
     original = model_of(build)
     model = rebuild.clone_with(original, lambda layer, config: config.update(dtype=dtype))
     model.set_weights([w.astype(dtype) for w in original.get_weights()])
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    x, y = batch()
+    x, y = (part[:images] for part in batch())
     cnnpar.fit(model, x.astype(dtype), y, strategy=strategy, batch_size=len(x), shuffle=False, verbose=0,
                results_dir=None)
     return model.get_weights()
@@ -125,3 +126,12 @@ def test_one_step_of_a_functional_cnn_is_single_s(build, strategy, dtype):
     expected = single_step(build, dtype)
     assert max_difference(expected, model_of(build).get_weights()) > 1e-3  # the step moved the weights
     assert max_difference(after_one_step(build, strategy, dtype), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("build", [residual_strided, branches_averaged], ids=lambda build: build.__name__)
+def test_a_batch_the_shards_do_not_divide_takes_single_s_step_too(build):
+    """Seven images on two shards: what is split over the batch elsewhere is whole on both devices, and the
+    convolutions run as im2col (an epoch's last batch meets this)."""
+    expected = after_one_step(build, "single", "float64", images=7)
+    assert max_difference(after_one_step(build, cnnpar.ChannelSharded(2), "float64", images=7), expected) \
+        < TOLERANCE["float64"]

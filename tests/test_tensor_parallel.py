@@ -104,12 +104,15 @@ def test_two_steps_match_single_within_1e_4(strategy, optimizer, few_digits):
         assert max_difference(*slots) < 1e-4  # the slots came back (an empty list fails the helper)
 
 
-def test_convolutions_shard_their_output_dense_layers_alternate_and_every_kernel_is_sharded():
+def test_convolutions_leave_the_batch_split_dense_layers_alternate_and_every_kernel_is_sharded():
     sharded = ShardedModel(cnnpar.models.cnn("3+3"), mesh_of())
     column, row = ("column", ("unsharded", "model")), ("row", ("model", "unsharded"))
     assert [(layer.mode, layer.kernel_layout[-2:]) for layer in sharded.sharded_layers] == [
         column, column, column, row, column, row]
-    assert sharded.sharded_layers[3].kernel.shape == (7, 7, 32, 128)  # the Flatten is folded in
+    # From the first convolution to the Flatten every tensor is split over the batch (the padding of the images
+    # before it is whole); the Dense after it takes the flattened features sharded (its kernel's rows).
+    assert [node.tensor.batch_split for node in sharded.nodes] == [False] + [True] * 8 + [False] * 5
+    assert sharded.sharded_layers[3].kernel.shape == (1568, 128)
     report = sharded.report()
     assert "mesh {'model': 2} over 2 devices" in report
     assert "parameters: 986,728 bytes in all, 493,640 bytes per device" in report

@@ -51,9 +51,14 @@ MODES = ("column", "row")
 CHANNEL_MIXING = {"softmax", "log_softmax"}
 
 
-def activation_layout(mesh, shape, channels_sharded=False):
+def activation_layout(mesh, shape, channels_sharded=False, batch_split=False):
     """The layout of an activation of ``shape``: channels whole or sharded over ``"model"``, and the batch
-    over ``"batch"`` when the mesh has that axis and the batch splits evenly (else every replica computes all)."""
+    over ``"batch"`` when the mesh has that axis and the batch splits evenly (else every replica computes all).
+    ``batch_split`` (a mesh without ``"batch"``): the batch over ``"model"`` with whole channels, where the
+    shards divide the batch; else the whole tensor on every device."""
+    if batch_split:
+        split = "model" if shape[0] % mesh.dim_size("model") == 0 else UNSHARDED
+        return dtensor.Layout([split, *[UNSHARDED] * (len(shape) - 1)], mesh)
     batches = mesh.dim_size("batch") if "batch" in mesh.dim_names else 0
     batch = "batch" if batches and shape[0] % batches == 0 else UNSHARDED
     rest = [UNSHARDED] * (len(shape) - 1)
@@ -131,6 +136,9 @@ class ShardedLayer(WeightedModule):
         self.set_weights(layer.get_weights())
         #: The dtype of the layer's arithmetic: its input, kernel and bias are cast to it (weights keep theirs).
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
+        #: Whether the output stays split over the batch (``activation_layout``'s ``batch_split``), as a column-mode
+        #: convolution's on a split batch can; else its channels are laid out by the mode.
+        self.batch_split_output = False
 
     def _check_divisible(self, name, kernel_shape):
         shards = self.mesh.dim_size("model")
@@ -147,11 +155,19 @@ class ShardedLayer(WeightedModule):
         whole channels into shards needs no communication)."""
         return dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.mode == "row"))
 
+    def _output_layout(self, y):
+        """The layout of this layer's output ``y``: split over the batch, or its channels as the mode says."""
+        split = self.batch_split_output
+        return activation_layout(self.mesh, y.shape, self.mode == "column" and not split, split)
+
     def _finish(self, y):
         """Add the bias, fix the output layout and apply the activation."""
         if self.use_bias:
-            y = y + tf.cast(self.bias, self.compute_dtype)
-        if self.mode == "column" and self.activation_name in CHANNEL_MIXING:
+            bias = tf.cast(self.bias, self.compute_dtype)
+            if self.batch_split_output:  # the sharded bias gathered, as the kernel is for a split batch
+                bias = dtensor.relayout(bias, dtensor.Layout.replicated(self.mesh, 1))
+            y = y + bias
+        if self.mode == "column" and not self.batch_split_output and self.activation_name in CHANNEL_MIXING:
             y = dtensor.relayout(y, activation_layout(self.mesh, y.shape))
         return self.activation(y)
 
@@ -215,13 +231,14 @@ class ChannelShardedConv2D(ShardedLayer):
         if form != "split batch":  # which takes any layout
             x = self._mode_input(x)
         if form == "split batch":
-            y = conv_on_split_batch(x, kernel, self.mesh, self.strides, pads)
+            # Keras's "same" is TensorFlow's SAME: the op pads inside, without a padded copy kept for the gradient.
+            same = self.padding == "same"
+            y = conv_on_split_batch(x, kernel, self.mesh, self.strides, None if same else pads, same)
         elif form == "filter gradient":
             y = conv_as_filter_gradient(tf.pad(x, pads), kernel)
         else:
             y = conv_as_matmul(tf.pad(x, pads), kernel, self.strides, self.input_gradient)
-        y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
-        return self._finish(y)
+        return self._finish(dtensor.relayout(y, self._output_layout(y)))
 
 
 class ShardedDense(ShardedLayer):
@@ -264,8 +281,7 @@ class ShardedDense(ShardedLayer):
     def __call__(self, x, training=False):
         axes, x = "hwc"[-(x.shape.rank - 1):], self._mode_input(x)
         y = tf.einsum(f"b{axes},{axes}o->bo", tf.cast(x, self.compute_dtype), tf.cast(self.kernel, self.compute_dtype))
-        y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.mode == "column"))
-        return self._finish(y)
+        return self._finish(dtensor.relayout(y, self._output_layout(y)))
 
 
 class ShardedBatchNormalization(WeightedModule):
@@ -413,9 +429,10 @@ def windows(x, window, strides):
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
 
 
-def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None):
-    """Convolution of ``x`` (NHWC) padded by ``pads`` (``tf.pad``'s, default none) with ``kernel`` on a 1-D
-    ``"model"`` mesh, as TensorFlow's own convolution of each device's slice of the batch with the whole kernel.
+def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None, same=False):
+    """Convolution of ``x`` (NHWC) padded by ``pads`` (``tf.pad``'s, default none; ``same``: TensorFlow's SAME
+    padding instead) with ``kernel`` on a 1-D ``"model"`` mesh, as TensorFlow's own convolution of each
+    device's slice of the batch with the whole kernel.
 
     The kernel (sharded at rest) is gathered for the step, as fully sharded
     data parallel does; the batch is laid out over ``"model"``, which DTensor's
@@ -425,7 +442,7 @@ def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None):
     """
     whole = dtensor.relayout(kernel, dtensor.Layout.replicated(mesh, 4))
     split = dtensor.relayout(x, dtensor.Layout(["model", UNSHARDED, UNSHARDED, UNSHARDED], mesh))
-    return tf.nn.conv2d(split if pads is None else tf.pad(split, pads), whole, strides, "VALID")
+    return tf.nn.conv2d(split if pads is None else tf.pad(split, pads), whole, strides, "SAME" if same else "VALID")
 
 
 def conv_as_filter_gradient(x, kernel):

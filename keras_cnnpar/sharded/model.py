@@ -2,22 +2,29 @@
 
 The model is a ``keras.Sequential`` or a functional graph (one input, one
 output, each layer called once). Its layers run in a topological order of the
-graph, and each tensor keeps a layout: channels whole or sharded over
-``"model"``. On a mesh without a ``"batch"`` axis every Conv2D runs in column
-mode (output channels sharded): its convolution runs on the batch split over
-``"model"``, which takes any input layout, so the tensors between
-convolutions stay sharded. On a mesh with a ``"batch"`` axis (im2col only),
-and for Dense layers, a layer whose input channels are sharded runs in row
+graph, and each tensor keeps a layout: channels whole, channels sharded over
+``"model"``, or (a mesh without a ``"batch"`` axis) the batch split over
+``"model"`` with whole channels. On a mesh without a ``"batch"`` axis every
+Conv2D runs in column mode: its kernel, sharded at rest, is gathered for the
+step and the convolution runs on the batch split over ``"model"``, which
+takes any input layout, and its output stays split over the batch, so the
+tensors from one convolution to the next (BatchNormalization with statistics
+all-reduced over the batch, pooling, activations, merges) need no
+communication. On a mesh with a ``"batch"`` axis (im2col only), and for Dense
+layers, a layer whose input is sharded (or split over the batch) runs in row
 mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
 model's output) runs in row mode, so its units need not split.
-BatchNormalization, pooling, padding, dropout and activations keep the
-layout they get; an ``Add`` (or another elementwise merge) of a sharded and a
-whole tensor first cuts the whole one into shards (a re-layout without
-communication); ``Concatenate`` gathers its inputs' channels. A ``Flatten``
-of sharded channels is folded into the ``Dense`` after it, which then holds
-its kernel as ``(h, w, c, units)`` sharded on ``c``. The output of the model
-always has whole channels. Every layer's output is pinned to its layout
+BatchNormalization, pooling, padding, dropout, ``Flatten`` and activations
+keep the layout they get; an ``Add`` (or another elementwise merge) takes
+the layout of its inputs, split over the batch if any is, else sharded if any
+is, and re-lays the others out to it (cutting a whole tensor needs no
+communication); ``Concatenate`` of tensors split over the batch stays split,
+else it gathers its inputs' channels. A ``Flatten`` of sharded channels (on a
+mesh with ``"batch"``) is folded into the ``Dense`` after it, which then holds
+its kernel as ``(h, w, c, units)`` sharded on ``c``. Where the shards do not
+divide a batch, a tensor split over the batch is whole on every device. The
+output of the model always has whole channels. Every layer's output is pinned to its layout
 (``dtensor.relayout``): left to DTensor's layout propagation, a sharded
 layout reached the moments of a BatchNormalization on whole channels, and
 the step failed.
@@ -150,49 +157,53 @@ class Dropout(tf.Module):
 
 
 class Elementwise(tf.Module):
-    """An activation layer; ``Softmax`` gathers the channels first."""
+    """An activation layer; ``Softmax`` gathers sharded channels first (a batch split has them whole)."""
 
-    def __init__(self, layer, mesh):
+    def __init__(self, layer, mesh, batch_split=False):
         super().__init__(name=layer.name)
-        self.layer, self.mesh = layer, mesh
+        self.layer, self.mesh, self.batch_split = layer, mesh, batch_split
         self.mixing = mixes_channels(layer)
 
     def __call__(self, x, training=False):
         if self.mixing:
-            x = dtensor.relayout(x, activation_layout(self.mesh, x.shape))
+            x = dtensor.relayout(x, activation_layout(self.mesh, x.shape, batch_split=self.batch_split))
         return self.layer.call(x)
 
 
 class Merge(tf.Module):
     """An elementwise merge (``Add``, ``Subtract``, ``Multiply``, ``Average``, ``Maximum``, ``Minimum``) of
-    tensors with one layout: ``channels_sharded`` (each input re-laid out to it)."""
+    tensors with one layout: ``channels_sharded`` or ``batch_split`` (each input re-laid out to it)."""
 
     FUNCTIONS: typing.ClassVar = {
         "Add": tf.add_n, "Average": lambda xs: tf.add_n(xs) / len(xs),
         "Subtract": lambda xs: xs[0] - xs[1], "Multiply": lambda xs: functools.reduce(tf.multiply, xs),
         "Maximum": lambda xs: functools.reduce(tf.maximum, xs), "Minimum": lambda xs: functools.reduce(tf.minimum, xs)}
 
-    def __init__(self, layer, mesh, channels_sharded):
+    def __init__(self, layer, mesh, channels_sharded, batch_split=False):
         super().__init__(name=layer.name)
-        self.function, self.mesh, self.sharded = self.FUNCTIONS[type(layer).__name__], mesh, channels_sharded
+        self.function, self.mesh = self.FUNCTIONS[type(layer).__name__], mesh
+        self.sharded, self.batch_split = channels_sharded, batch_split
 
     def __call__(self, *xs, training=False):
-        return self.function([dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded)) for x in xs])
+        return self.function([dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split))
+                              for x in xs])
 
 
 class Concatenate(tf.Module):
-    """``Concatenate`` on the channel axis: the inputs' channels are gathered whole first."""
+    """``Concatenate`` on the channel axis: the inputs' channels are gathered whole first, or, ``batch_split``,
+    every input is split over the batch (whole channels on each device)."""
 
-    def __init__(self, layer, mesh):
+    def __init__(self, layer, mesh, batch_split=False):
         super().__init__(name=layer.name)
         rank = len(layer.output.shape)
         if layer.axis % rank != rank - 1:
             raise ValueError(f"channel sharding concatenates on the channel (last) axis only; layer {layer.name!r} "
                              f"has axis={layer.axis}. Received: axis={layer.axis}")
-        self.mesh = mesh
+        self.mesh, self.batch_split = mesh, batch_split
 
     def __call__(self, *xs, training=False):
-        return tf.concat([dtensor.relayout(x, activation_layout(self.mesh, x.shape)) for x in xs], axis=-1)
+        return tf.concat([dtensor.relayout(x, activation_layout(self.mesh, x.shape, batch_split=self.batch_split))
+                          for x in xs], axis=-1)
 
 
 class GlobalPooling(tf.Module):
@@ -209,21 +220,23 @@ class GlobalPooling(tf.Module):
 
 class _Tensor(typing.NamedTuple):
     """What is known of a tensor before it runs: its channels sharded, a Flatten folded into it (the unflattened
-    shape of one example), and whether a gradient flows into it (something before it has weights)."""
+    shape of one example), whether a gradient flows into it (something before it has weights), and whether it
+    is split over the batch (``"model"`` on the batch axis, whole channels)."""
 
     sharded: bool
     folded: tuple | None
     differentiable: bool
+    batch_split: bool = False
 
 
 class _Node(typing.NamedTuple):
     """One layer call: the module that runs it (None: pass the input through), its input and output keys, and
-    whether its output's channels are sharded."""
+    what is known of its output (a :class:`_Tensor`)."""
 
     op: tf.Module | None
     inputs: tuple
     output: object
-    sharded: bool
+    tensor: _Tensor
 
 
 def mixes_channels(layer):
@@ -250,31 +263,39 @@ def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
 def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
     rule of the module docstring, without a mesh (``batch_axis``: whether the mesh has a ``"batch"`` axis;
-    ``model_output``: whether it is the model's output). A Conv2D or Dense in column mode shards its output's
-    channels, in row mode returns them whole; a merge is sharded if any input is."""
+    ``model_output``: whether it is the model's output). A Conv2D on a mesh without ``"batch"`` leaves its
+    output split over the batch; a Dense, or a Conv2D on a mesh with ``"batch"``, in column mode shards its
+    output's channels, in row mode returns them whole; a merge or ``Concatenate`` is split over the batch if any
+    input is, else a merge is sharded if any input is."""
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
+    batch_split = any(t.batch_split for t in inputs)
+    if kind == "Conv2D" and not batch_axis:
+        return _Tensor(False, None, True, batch_split=True)
     if kind in ("Conv2D", "Dense"):
-        column = sharded_mode(layer, first.sharded, batch_axis, model_output) == "column"
+        column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
     if kind == "BatchNormalization":
-        return _Tensor(first.sharded, None, True)
+        return _Tensor(first.sharded, None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
-        return _Tensor(any(t.sharded for t in inputs), None, differentiable)
+        return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind == "Concatenate":
-        return _Tensor(False, None, differentiable)
+        return _Tensor(False, None, differentiable, batch_split)
     if kind == "Flatten" and first.sharded:
         return _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
-    return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable)
+    return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable, first.batch_split)
 
 
 class ChannelLayout(typing.NamedTuple):
     """A layer's place under channel sharding: whether the channels of its first input and of its output are
-    sharded, and whether a gradient flows into its first input (something before it has weights)."""
+    sharded, whether a gradient flows into its first input (something before it has weights), and whether its
+    first input and its output are split over the batch."""
 
     input_sharded: bool
     output_sharded: bool
     input_gradient: bool
+    input_batch_split: bool = False
+    output_batch_split: bool = False
 
 
 def channel_layouts(model, batch_axis=False):
@@ -283,7 +304,7 @@ def channel_layouts(model, batch_axis=False):
 
     >>> from keras_cnnpar import models
     >>> layouts = channel_layouts(models.cnn("2+2"))  # conv, pool, conv, pool, flatten, dense, dropout, dense
-    >>> [layout.output_sharded for layout in layouts.values()]
+    >>> [layout.output_batch_split for layout in layouts.values()]
     [True, True, True, True, True, False, False, False]
     >>> [layout.output_sharded for layout in channel_layouts(models.cnn("2+2"), batch_axis=True).values()]
     [True, True, False, False, False, True, True, False]
@@ -294,8 +315,9 @@ def channel_layouts(model, batch_axis=False):
     tensors, layouts = {input_key: _Tensor(False, None, False)}, {}
     for layer, inputs, output in calls:
         tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key)
-        first = tensors[inputs[0]]
-        layouts[layer.name] = ChannelLayout(first.sharded, tensors[output].sharded, first.differentiable)
+        first, out = tensors[inputs[0]], tensors[output]
+        layouts[layer.name] = ChannelLayout(first.sharded, out.sharded, first.differentiable, first.batch_split,
+                                            out.batch_split)
     return layouts
 
 
@@ -347,7 +369,7 @@ class ShardedModel(tf.Module):
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
             op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
-            self.nodes.append(_Node(op, inputs, output, tensors[output].sharded))
+            self.nodes.append(_Node(op, inputs, output, tensors[output]))
             converted[layer.name] = op
         #: The modules with weights, in the Keras model's layer order (its weight order).
         self.weighted = [converted[layer.name] for layer in model.layers
@@ -365,28 +387,29 @@ class ShardedModel(tf.Module):
         if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
             raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
                              f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
-        mode = sharded_mode(layer, first.sharded, batch_axis, output_key == self.output_key)
+        mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output_key == self.output_key)
         if kind == "Conv2D":
             op = ChannelShardedConv2D(layer, self.mesh, mode)
             op.input_gradient = any(t.differentiable for t in inputs)
+            op.batch_split_output = output.batch_split
         elif kind == "Dense":
             op = ShardedDense(layer, self.mesh, mode, input_shape=first.folded)
         elif kind == "BatchNormalization":
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
         elif kind in Merge.FUNCTIONS:
-            op = Merge(layer, self.mesh, output.sharded)
+            op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
-            op = Concatenate(layer, self.mesh)
+            op = Concatenate(layer, self.mesh, output.batch_split)
         elif kind == "Flatten" and first.sharded:
             op = None  # folded into the Dense after it
         else:
-            op = self._pass_through(layer, kind, index, first.sharded)
+            op = self._pass_through(layer, kind, index, first)
         return op, output
 
-    def _pass_through(self, layer, kind, index, sharded):
-        """The module of a layer without weights that keeps its input's channel layout (``sharded`` or not)."""
+    def _pass_through(self, layer, kind, index, first):
+        """The module of a layer without weights that keeps its input's layout (``first``, a :class:`_Tensor`)."""
         if kind in ("MaxPooling2D", "AveragePooling2D"):
-            return Pooling(layer, self.mesh, sharded)
+            return Pooling(layer, self.mesh, first.sharded)
         if kind in ("GlobalAveragePooling2D", "GlobalMaxPooling2D"):
             return GlobalPooling(layer)
         if kind == "ZeroPadding2D":
@@ -395,7 +418,7 @@ class ShardedModel(tf.Module):
             return Flatten(layer)
         if kind == "Dropout":
             return Dropout(layer, self.step, index)
-        return Elementwise(layer, self.mesh)
+        return Elementwise(layer, self.mesh, first.batch_split)
 
     @property
     def sharded_layers(self):
@@ -433,7 +456,8 @@ class ShardedModel(tf.Module):
                 values[node.output] = inputs[0]
                 continue
             y = node.op(*inputs, training=training)
-            values[node.output] = dtensor.relayout(y, activation_layout(self.mesh, y.shape, node.sharded))
+            layout = activation_layout(self.mesh, y.shape, node.tensor.sharded, node.tensor.batch_split)
+            values[node.output] = dtensor.relayout(y, layout)
         if training:
             self.step.assign_add(1)
         y = values[self.output_key]
