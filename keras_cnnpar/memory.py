@@ -137,11 +137,10 @@ def channel_sharded_values(model, shards, batch_axis=False):
     layer's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
     sharded or split over the batch; each convolution adds the copy its formulation keeps for its gradient:
     its input padded and split over the batch (split batch; none for an input split already that the op
-    pads itself, Keras's ``"same"``), its
-    sharded input transposed (filter gradient), or its ``kh*kw`` stacked windows (im2col). An im2col
-    convolution's input gradient adds ``kh*kw`` padded inputs for a moment (one per window, summed at the
-    end); the backward pass meets it when the tensors kept after that convolution are already freed, so the
-    peak is the largest of those moments and the whole kept set.
+    pads itself, Keras's ``"same"``), its sharded input transposed (filter gradient), or its ``kh*kw``
+    stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs for a
+    moment (one per window, summed at the end); the backward pass meets it when the tensors kept after that
+    convolution are already freed, so the peak is the largest of those moments and the whole kept set.
 
     On two devices the resnet's tensors are all split over the batch; only the first convolution keeps a
     copy of its input (the images, split), so one device holds about half of what Single holds per example:
@@ -176,8 +175,8 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
     mode = sharded_mode(layer, layout.input_sharded, batch_axis)
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
-    if form == "split batch" and layout.input_batch_split and (layer.padding == "same" or not top + bottom + left
-                                                                + right):
+    padded_inside = layer.padding == "same" or not top + bottom + left + right
+    if form == "split batch" and layout.input_batch_split and padded_inside:
         return 0, 0  # its input is the split batch already, padded inside the op: nothing more to keep
     if form in ("split batch", "filter gradient"):
         return int(np.prod(padded[1:])) / shards, 0

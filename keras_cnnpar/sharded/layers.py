@@ -2,7 +2,9 @@
 
 Activations are channels-last. Their first axis is sharded over the mesh axis
 ``"batch"`` when the mesh has one; their last axis (the channels or features)
-is either whole or sharded over the mesh axis ``"model"``. A sharded layer in
+is either whole or sharded over the mesh axis ``"model"``; on a mesh without
+``"batch"`` a convolution's output may instead keep the batch split over
+``"model"`` (``activation_layout``'s ``batch_split``). A sharded layer in
 ``"column"`` mode shards its kernel on output channels: it takes whole
 channels and returns sharded ones. In ``"row"`` mode it shards its kernel on
 input channels: it takes sharded channels, each device computes a partial

@@ -24,10 +24,10 @@ else it gathers its inputs' channels. A ``Flatten`` of sharded channels (on a
 mesh with ``"batch"``) is folded into the ``Dense`` after it, which then holds
 its kernel as ``(h, w, c, units)`` sharded on ``c``. Where the shards do not
 divide a batch, a tensor split over the batch is whole on every device. The
-output of the model always has whole channels. Every layer's output is pinned to its layout
-(``dtensor.relayout``): left to DTensor's layout propagation, a sharded
-layout reached the moments of a BatchNormalization on whole channels, and
-the step failed.
+output of the model always has whole channels. Every layer's output is
+pinned to its layout (``dtensor.relayout``): left to DTensor's layout
+propagation, a sharded layout reached the moments of a BatchNormalization on
+whole channels, and the step failed.
 
 Example:
 

@@ -22,16 +22,16 @@ class ChannelSharded(Strategy):
 
     The model (``Sequential`` or functional) is rebuilt on a 1-D DTensor mesh
     ``("model",)``. Its Conv2D and Dense layers become ``ChannelShardedConv2D``
-    and ``ShardedDense``: every convolution in column mode (output channels
-    sharded), the Dense layers alternating column and row mode (input
-    channels sharded, partial sums all-reduced), as Megatron pairs its
-    layers; BatchNormalization normalizes each device's
-    channels over the whole batch (its weights and moving statistics sharded
-    like the channels); pooling, padding, flatten, dropout, activations and
-    merges pass the layouts through (``cnnpar.sharded.ShardedModel``). Every
-    weight and every optimizer slot is a DVariable laid out like its kernel,
-    so each device holds about ``1/devices`` of the parameters. The whole
-    global ``batch_size`` goes through every device. A training step is
+    and ``ShardedDense``: every convolution gathers its kernel for the step
+    and runs on the batch split over the devices, leaving its output split
+    (fully sharded data parallel), so BatchNormalization (statistics
+    all-reduced over the split batch), pooling, padding, flatten, dropout,
+    activations and merges between convolutions need no communication; the
+    Dense layers alternate column and row mode (output or input channels
+    sharded, partial sums all-reduced), as Megatron pairs its layers
+    (``cnnpar.sharded.ShardedModel``). Every weight and every optimizer slot
+    is a DVariable laid out like its kernel, so each device holds about
+    ``1/devices`` of the parameters at rest. A training step is
     one ``tf.function``; the loss and metrics are computed from its
     predictions, and validation runs the sharded model too. Supported
     optimizers: SGD (with momentum, Nesterov) and Adam. The trained weights
