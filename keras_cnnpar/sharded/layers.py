@@ -183,7 +183,8 @@ class ChannelShardedConv2D(ShardedLayer):
     """A ``keras.layers.Conv2D`` whose kernel is sharded over the mesh's ``"model"`` axis.
 
     ``mode="column"`` shards the output channels (input channels whole, or
-    any layout where the convolution runs on a split batch; output sharded);
+    any layout where the convolution runs on a split batch; output sharded,
+    or left split over the batch: ``batch_split_output``);
     ``mode="row"`` shards the input channels (input sharded, whole output
     channels). The kernel stays sharded between steps; how a step
     computes the convolution is ``formulation``'s choice.
@@ -234,8 +235,7 @@ class ChannelShardedConv2D(ShardedLayer):
             x = self._mode_input(x)
         if form == "split batch":
             # Keras's "same" is TensorFlow's SAME: the op pads inside, without a padded copy kept for the gradient.
-            same = self.padding == "same"
-            y = conv_on_split_batch(x, kernel, self.mesh, self.strides, None if same else pads, same)
+            y = conv_on_split_batch(x, kernel, self.mesh, self.strides, "SAME" if self.padding == "same" else pads)
         elif form == "filter gradient":
             y = conv_as_filter_gradient(tf.pad(x, pads), kernel)
         else:
@@ -431,10 +431,10 @@ def windows(x, window, strides):
     return [x[:, i:i + (oh - 1) * sh + 1:sh, j:j + (ow - 1) * sw + 1:sw, :] for i in range(kh) for j in range(kw)]
 
 
-def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None, same=False):
-    """Convolution of ``x`` (NHWC) padded by ``pads`` (``tf.pad``'s, default none; ``same``: TensorFlow's SAME
-    padding instead) with ``kernel`` on a 1-D ``"model"`` mesh, as TensorFlow's own convolution of each
-    device's slice of the batch with the whole kernel.
+def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), padding="VALID"):
+    """Convolution of ``x`` (NHWC) with ``kernel`` on a 1-D ``"model"`` mesh, as TensorFlow's own convolution
+    of each device's slice of the batch with the whole kernel; ``padding`` is the op's (``"VALID"`` or
+    ``"SAME"``) or ``tf.pad``'s paddings, applied first.
 
     The kernel (sharded at rest) is gathered for the step, as fully sharded
     data parallel does; the batch is laid out over ``"model"``, which DTensor's
@@ -444,7 +444,9 @@ def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), pads=None, same=False):
     """
     whole = dtensor.relayout(kernel, dtensor.Layout.replicated(mesh, 4))
     split = dtensor.relayout(x, dtensor.Layout(["model", UNSHARDED, UNSHARDED, UNSHARDED], mesh))
-    return tf.nn.conv2d(split if pads is None else tf.pad(split, pads), whole, strides, "SAME" if same else "VALID")
+    if not isinstance(padding, str):
+        split, padding = tf.pad(split, padding), "VALID"
+    return tf.nn.conv2d(split, whole, strides, padding)
 
 
 def conv_as_filter_gradient(x, kernel):
