@@ -439,8 +439,9 @@ def conv_on_split_batch(x, kernel, mesh, strides=(1, 1), padding="VALID"):
     The kernel (sharded at rest) is gathered for the step, as fully sharded
     data parallel does; the batch is laid out over ``"model"``, which DTensor's
     convolution accepts, and the kernel's gradient is all-reduced over it. The
-    caller lays the output out again (channels sharded or whole): an
-    all-to-all of activations, in place of im2col's ``kh*kw`` stacked windows.
+    caller leaves the output split over the batch, or lays it out again
+    (channels sharded or whole: an all-to-all of activations, in place of
+    im2col's ``kh*kw`` stacked windows).
     """
     whole = dtensor.relayout(kernel, dtensor.Layout.replicated(mesh, 4))
     split = dtensor.relayout(x, dtensor.Layout(["model", UNSHARDED, UNSHARDED, UNSHARDED], mesh))
