@@ -665,5 +665,12 @@ def kaggle(out_dir, test_fraction, seed, force):
         click.echo(f"wrote {path}")
 
 
-if __name__ == "__main__":
+def run():
+    """The ``cnnpar`` command: :func:`main`, without the libraries Keras imports for features the command line never
+    uses (``startup.skip_keras_extras``; matplotlib stays, for reports and plans)."""
+    startup.skip_keras_extras(keep=("matplotlib",))
     main()
+
+
+if __name__ == "__main__":
+    run()

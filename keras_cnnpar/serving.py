@@ -43,9 +43,12 @@ TOLERANCE = 1e-5
 VERIFY_TIMEOUT_S = 180
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 
-#: Run in a fresh process: load the export with plain TensorFlow and apply its signature.
+#: Run in a fresh process: load the export with plain TensorFlow (Keras without its unused extras) and apply its
+#: signature.
 _VERIFY_SCRIPT = """
 import sys
+from keras_cnnpar import startup
+startup.skip_keras_extras()
 import keras
 import numpy as np
 import tensorflow as tf

@@ -2,6 +2,8 @@
 
 >>> python_command("-m", "keras_cnnpar.cli", "--help")[1:]
 ['-P', '-m', 'keras_cnnpar.cli', '--help']
+>>> library_command("keras_cnnpar.servers", "--help")[1:]
+['-P', '-m', 'keras_cnnpar.startup', 'keras_cnnpar.servers', '--help']
 """
 
 import shutil
@@ -12,6 +14,12 @@ def python_command(*args):
     """``[this Python, -P, *args]``: ``-P`` keeps the user's current folder off ``sys.path``, so a ``numpy.py``
     lying there is not imported in place of the real one (Python 3.11 and later)."""
     return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), *args]
+
+
+def library_command(module, *args):
+    """The command that runs the library's ``module`` as ``python -m module args`` would, without the libraries
+    Keras imports for features it never uses (``startup.skip_keras_extras``): a server or a coordinator."""
+    return python_command("-m", "keras_cnnpar.startup", module, *args)
 
 
 def dying_with_parent(command):

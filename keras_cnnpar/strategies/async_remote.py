@@ -43,7 +43,7 @@ import tensorflow as tf
 from keras_cnnpar import network, rebuild
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings, create
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar.subprocesses import library_command
 
 #: The prefixes of the coordinator's protocol lines on its standard output.
 READY, EPOCH, DONE, ERROR = "CNNPAR-READY ", "CNNPAR-EPOCH ", "CNNPAR-DONE", "CNNPAR-ERROR "
@@ -154,7 +154,7 @@ class CoordinatorProcessRun(Run):
 def _start_coordinator(folder, private_network):
     """Start the coordinator process for ``folder``; in a private network namespace for a local cluster, where
     Linux allows one."""
-    command = python_command("-m", "keras_cnnpar.strategies.async_remote", str(folder), str(os.getpid()))
+    command = library_command("keras_cnnpar.strategies.async_remote", str(folder), str(os.getpid()))
     if private_network and network.private_network_available():
         command = ["unshare", "--user", "--map-root-user", "--net", "--", *command, "--private-network"]
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
