@@ -314,15 +314,15 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
         trial.parity, trial.parity_difference = _parity(model, strategy, x[:batch_size], y[:batch_size])
         traces = strategy.steps_run_here  # async-ps: its steps run in other processes
         folder = Path(tempfile.mkdtemp(prefix="cnnpar-plan-"))
-        timer = _TrialTimer(folder if traces else None)
+        timer = _TrialTimer(folder if traces else None, strategy.num_devices)
         copy = rebuild.rebuild(model, scope=contextlib.nullcontext())
         try:
             fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
                         steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision,
                         callbacks=[timer])
             trial.images_per_second = TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
-            trial.memory_measured_mib = timer.peak_bytes / 2**20 / strategy.num_devices \
-                if traces and timer.peak_bytes else math.nan
+            trial.memory_measured_mib = timer.peak_bytes_per_device / 2**20 \
+                if traces and timer.peak_bytes_per_device else math.nan
             if traces:
                 split = timesplit.split(folder, timer.seconds[-1], strategy.num_devices, model.optimizer.name,
                                         one_device=strategy.num_devices == 1)
@@ -399,28 +399,32 @@ def _mib(value):
 class _TrialTimer(keras.callbacks.Callback):
     """Times each epoch of a trial; with a ``folder``, the last runs under the profiler, its trace written there.
 
-    ``peak_bytes``: the allocator's peak during the timed epochs above what was in use when the trial began (0
-    where the device reports no figures). TensorFlow's CPU allocator serves every logical CPU device, so on a CPU
-    it is all the devices' together. The first epoch, which traces the functions, and the profiled one are left
-    out: their one-time buffers made the same trial's figure vary by a third between runs.
+    ``peak_bytes_per_device``: the allocator's peak during the timed epochs above what was in use when the trial
+    began (0 where the device reports no figures), per device: on GPUs the largest of the first ``devices``
+    GPUs' own peaks; on a CPU, whose one allocator serves every logical CPU device, its peak divided by the
+    devices (an average: the devices' peaks need not fall at the same moment, docs/plan.md). The first epoch,
+    which traces the functions, and the profiled one are left out: their one-time buffers made the same
+    trial's figure vary by a third between runs.
     """
 
     TRACED_EPOCH = TIMED_EPOCHS + 1
-    DEVICE = "CPU:0"
 
-    def __init__(self, folder=None):
+    def __init__(self, folder=None, devices=1):
         super().__init__()
         self.folder, self.seconds, self.trace = folder, [], contextlib.ExitStack()
-        self.base, self.peak_bytes = None, 0
+        self.gpus = [f"GPU:{index}" for index in range(len(tf.config.list_logical_devices("GPU")))][:devices]
+        self.allocators, self.devices = self.gpus or ["CPU:0"], devices
+        self.base, self.peak_bytes_per_device = None, 0
 
     def on_train_begin(self, logs=None):
         gc.collect()  # the previous trial's model and functions, freed later, would lower the peak below the base
         with contextlib.suppress(ValueError, RuntimeError):  # a device without memory figures
-            self.base = tf.config.experimental.get_memory_info(self.DEVICE)["current"]
+            self.base = {name: tf.config.experimental.get_memory_info(name)["current"] for name in self.allocators}
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1 and self.base is not None:
-            tf.config.experimental.reset_memory_stats(self.DEVICE)
+            for name in self.allocators:
+                tf.config.experimental.reset_memory_stats(name)
         if epoch == self.TRACED_EPOCH and self.folder is not None:
             self.trace.enter_context(timesplit.traced(self.folder))
         self.start = time.perf_counter()
@@ -429,4 +433,6 @@ class _TrialTimer(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self.start)
         self.trace.close()
         if epoch == TIMED_EPOCHS and self.base is not None:
-            self.peak_bytes = max(tf.config.experimental.get_memory_info(self.DEVICE)["peak"] - self.base, 0)
+            peaks = [max(tf.config.experimental.get_memory_info(name)["peak"] - self.base[name], 0)
+                     for name in self.allocators]
+            self.peak_bytes_per_device = max(peaks) if self.gpus else peaks[0] / self.devices

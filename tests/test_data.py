@@ -96,11 +96,17 @@ def test_a_byte_order_mark_and_blank_lines_at_the_end_are_fine(tmp_path):
     assert pixels[0].tolist() == [255] * 784 and pixels[1].tolist() == [0] * 784
 
 
+@pytest.fixture(scope="module")
+def kaggle_train(tmp_path_factory):
+    """The Kaggle-format train.csv of the default data (4,000 digits), written once for the tests that alter it."""
+    train_path, _ = data.write_kaggle(tmp_path_factory.mktemp("kaggle"), test_fraction=0.2, seed=0)
+    return train_path
+
+
 def test_values_written_differently_read_as_the_plain_file_and_only_their_lines_are_read_one_by_one(
-        tmp_path, digits, monkeypatch):
-    train_path, _ = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
-    plain = data.read_kaggle_csv(train_path)
-    lines = train_path.read_text().splitlines()
+        tmp_path, kaggle_train, monkeypatch):
+    plain = data.read_kaggle_csv(kaggle_train)
+    lines = kaggle_train.read_text().splitlines()
     lines[1000] = ",".join(f" {value}.0 " for value in lines[1000].split(","))  # numpy's uint8 reader refuses it
     written = write_lines(tmp_path / "written.csv", lines)
     checked = []
@@ -113,9 +119,8 @@ def test_values_written_differently_read_as_the_plain_file_and_only_their_lines_
 
 
 @pytest.mark.parametrize("line", [2, 1001, -1], ids=["first", "middle", "last"])
-def test_a_bad_value_anywhere_is_named_after_one_reading_of_the_file(tmp_path, digits, monkeypatch, line):
-    train_path, _ = data.write_kaggle(tmp_path, test_fraction=0.2, seed=0)
-    lines = train_path.read_text().splitlines()
+def test_a_bad_value_anywhere_is_named_after_one_reading_of_the_file(tmp_path, kaggle_train, monkeypatch, line):
+    lines = kaggle_train.read_text().splitlines()
     number = line if line > 0 else len(lines)
     values = lines[number - 1].split(",")
     values[5] = "x"

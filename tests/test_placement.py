@@ -122,9 +122,10 @@ def test_balanced_stages_minimises_the_largest_stage():
 
 
 @pytest.mark.slow
-# A sequential CNN and the resnet (a skip connection, BatchNormalization per micro-batch); the 3+3 is cut as
-# the 2+2 is, and the steps match Single's (test_one_sgd_step_matches_single_within_1e_5).
-@pytest.mark.parametrize("kind", ["2+2", "resnet"])
+# The resnet: a skip connection, and BatchNormalization per micro-batch, so its steps are not Single's. The
+# sequential CNNs' steps match Single's (test_one_sgd_step_matches_single_within_1e_5), so Single's floor is
+# theirs (their own run here cost 33-43 s of the suite).
+@pytest.mark.parametrize("kind", ["resnet"])
 def test_three_epochs_on_two_devices_reach_the_floor(kind, digits_split):
     train, val = digits_split
     keras.utils.set_random_seed(0)
