@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import runs
+from keras_cnnpar import runs, startup
 from keras_cnnpar.atomic import created_mode, write_atomic
 from keras_cnnpar.subprocesses import python_command
 
@@ -43,12 +43,12 @@ TOLERANCE = 1e-5
 VERIFY_TIMEOUT_S = 180
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 
-#: Run in a fresh process: load the export with plain TensorFlow (Keras without its unused extras) and apply its
-#: signature.
-_VERIFY_SCRIPT = """
+#: Run in a fresh process: load the export with plain TensorFlow and apply its signature. It skips Keras's extras
+#: as ``startup.skip_keras_extras`` does, without importing this library: a worker's environment (TF_CONFIG)
+#: would make the library join that worker's cluster at import.
+_VERIFY_SCRIPT = f"""
 import sys
-from keras_cnnpar import startup
-startup.skip_keras_extras()
+sys.modules.update(dict.fromkeys({startup.KERAS_EXTRAS!r}))
 import keras
 import numpy as np
 import tensorflow as tf
