@@ -85,7 +85,9 @@ class Pooling(tf.Module):
     over ``"model"`` for the native op and back (on a mesh without a
     ``"batch"`` axis, when the shards divide the batch); otherwise a window that
     tiles the image (window = strides) is a reshape and a reduction, and any
-    other window the maximum or mean of its strided slices (docs/benchmarks.md).
+    other window the maximum or mean of its strided slices (docs/benchmarks.md);
+    with ``"same"`` padding, the mean divides by the image's values in each
+    window, as Keras's does.
     """
 
     def __init__(self, layer, mesh, channels_sharded):
@@ -93,9 +95,6 @@ class Pooling(tf.Module):
         self.window, self.strides = tuple(layer.pool_size), tuple(layer.strides)
         self.padding = layer.padding
         self.max = isinstance(layer, keras.layers.MaxPooling2D)
-        if self.padding != "valid" and not self.max:
-            raise ValueError(f"channel sharding supports AveragePooling2D with padding='valid' only; layer "
-                             f"{layer.name!r} has padding={layer.padding!r}. Received: padding={layer.padding!r}")
         self.mesh, self.sharded = mesh, channels_sharded
 
     def __call__(self, x, training=False):
@@ -109,12 +108,19 @@ class Pooling(tf.Module):
         if self.window == self.strides and h % kh == 0 and w % kw == 0:
             tiles = tf.reshape(x, [-1, h // kh, kh, w // kw, kw, x.shape[-1]])
             return (tf.reduce_max if self.max else tf.reduce_mean)(tiles, axis=[2, 4])
-        pads = same_padding(x.shape[1:3], self.window, self.strides, self.padding)
-        if any(p for pair in pads for p in pair):
-            x = tf.pad(x, [[0, 0], *pads, [0, 0]], constant_values=-np.inf)
+        pads = [[0, 0], *same_padding((h, w), self.window, self.strides, self.padding), [0, 0]]
+        padded = any(p for pair in pads for p in pair)
+        if padded:
+            x = tf.pad(x, pads, constant_values=-np.inf if self.max else 0)
         slices = windows(x, self.window, self.strides)
-        out = functools.reduce(tf.math.maximum if self.max else tf.math.add, slices)
-        return out if self.max else out / len(slices)
+        if self.max:
+            return functools.reduce(tf.math.maximum, slices)
+        counts = tf.constant(self._counts((h, w), pads), x.dtype) if padded else len(slices)
+        return functools.reduce(tf.math.add, slices) / counts
+
+    def _counts(self, size, pads):
+        """How many of the image's values each window holds: Keras's average pooling does not count padding."""
+        return sum(windows(np.pad(np.ones((1, *size, 1)), pads), self.window, self.strides))
 
     def _native(self, x):
         return tf.nn.max_pool2d(x, self.window, self.strides, self.padding.upper())
