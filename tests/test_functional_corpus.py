@@ -5,7 +5,7 @@ the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
 convolutions; global pooling with and without ``keepdims``; Dense logits
-without a softmax. One SGD step under ``ChannelSharded(2)`` and
+without a softmax; weight and activity regularizers (in float32). One SGD step under ``ChannelSharded(2)`` and
 ``Hybrid(2, 2)`` must give Single's weights, BatchNormalization's moving
 statistics included: within 1e-9 in float64 (the same arithmetic, summed in
 another order) and 1e-4 in float32.
@@ -27,25 +27,28 @@ TOLERANCE = {"float64": 1e-9, "float32": 1e-4}
 
 def residual_strided(x):
     """BN after a convolution without bias, a residual Add of a sharded and a whole tensor, a strided convolution,
-    global average pooling, Dense logits (the graph of the issue that found the BN moments crash)."""
-    x = L.Conv2D(8, 3, padding="same", use_bias=False)(x)
-    x = L.ReLU()(L.BatchNormalization()(x))
+    global average pooling, Dense logits (the graph of the issue that found the BN moments crash); a kernel, a
+    gamma and an activity regularizer."""
+    x = L.Conv2D(8, 3, padding="same", use_bias=False, kernel_regularizer=keras.regularizers.L2(0.01))(x)
+    x = L.ReLU()(L.BatchNormalization(gamma_regularizer="l2")(x))
     residual = L.BatchNormalization()(L.Conv2D(8, 3, padding="same")(x))
     x = L.ReLU()(L.Add()([x, residual]))
     x = L.MaxPooling2D()(x)
     x = L.Conv2D(16, 3, strides=2, padding="same")(x)
     x = L.Activation("relu")(L.BatchNormalization()(x))
-    return L.Dense(10)(L.GlobalAveragePooling2D()(x))
+    return L.Dense(10, activity_regularizer="l2")(L.GlobalAveragePooling2D()(x))
 
 
 def branches_averaged(x):
     """Two concatenated branches, BN, average pooling, an ``Average`` of a whole and a sharded tensor, Flatten and
-    a Dense head."""
+    a Dense head with kernel and bias regularizers (its kernel is held folded where the Flatten's channels are
+    sharded)."""
     a = L.Conv2D(8, 3, padding="same", activation="relu")(x)
     b = L.Conv2D(8, 5, padding="same", activation="relu")(x)
     x = L.AveragePooling2D(2)(L.BatchNormalization()(L.Concatenate()([a, b])))
     x = L.Average()([x, L.Conv2D(16, 3, padding="same")(x)])
-    return L.Dense(10)(L.Flatten()(x))
+    dense = L.Dense(10, kernel_regularizer=keras.regularizers.L1L2(l1=1e-3, l2=1e-2), bias_regularizer="l2")
+    return dense(L.Flatten()(x))
 
 
 def normalized_images(x):
@@ -105,7 +108,7 @@ def after_one_step(build, strategy, dtype, images=8):
     """The weights of ``build``'s model, copied in ``dtype``, after one SGD step on the first ``images`` of
     ``batch()`` under ``strategy``."""
     original = model_of(build)
-    model = rebuild.clone_with(original, lambda layer, config: config.update(dtype=dtype))
+    model = rebuild.clone_with(original, functools.partial(in_dtype, dtype))
     model.set_weights([w.astype(dtype) for w in original.get_weights()])
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -113,6 +116,14 @@ def after_one_step(build, strategy, dtype, images=8):
     cnnpar.fit(model, x.astype(dtype), y, strategy=strategy, batch_size=len(x), shuffle=False, verbose=0,
                results_dir=None)
     return model.get_weights()
+
+
+def in_dtype(dtype, layer, config):
+    """A layer's ``config`` computing in ``dtype``; without regularizers in float64, where Keras cannot add their
+    float64 terms to its float32 loss (a ``TypeError`` under Single)."""
+    config.update(dtype=dtype)
+    if dtype == "float64":
+        config.update({key: None for key in config if key.endswith("_regularizer")})
 
 
 @functools.cache

@@ -96,6 +96,18 @@ class WeightedModule(tf.Module):
     #: The DVariables in the Keras twin's weight order, and how many of them (the first) are trainable.
     variables_in_order, trainable_count = (), 0
 
+    def __init__(self, layer):
+        super().__init__(name=layer.name)
+        #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order; None where a
+        #: weight has none or is not trainable (Keras regularizes trainable weights only).
+        self.regularizers = tuple(w.regularizer if w.trainable else None for w in layer.weights)
+
+    def regularization_losses(self):
+        """The Keras twin's weight regularizers applied to the DVariables in its shapes, as ``layer.losses`` are."""
+        return [regularizer(v if tuple(v.shape) == shape else tf.reshape(v, shape))
+                for v, shape, regularizer in zip(self.variables_in_order, self.keras_shapes, self.regularizers)
+                if regularizer is not None]
+
     @property
     def trainable_in_order(self):
         """The trainable DVariables, in Keras's order (the ones the optimizer updates)."""
@@ -115,7 +127,7 @@ class ShardedLayer(WeightedModule):
     """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
 
     def __init__(self, layer, mesh, mode, kernel_shape):
-        super().__init__(name=layer.name)
+        super().__init__(layer)
         if mode not in MODES:
             raise ValueError(f"mode must be 'column' or 'row'. Received: mode={mode!r}")
         self.mesh, self.mode = mesh, mode
@@ -322,7 +334,7 @@ class ShardedBatchNormalization(WeightedModule):
     """
 
     def __init__(self, layer, mesh, channels_sharded=False, synchronized=True):
-        super().__init__(name=layer.name)
+        super().__init__(layer)
         if not layer.built:
             raise ValueError(f"layer {layer.name!r} must be built (a model with a known input shape). "
                              f"Received: an unbuilt {type(layer).__name__}")

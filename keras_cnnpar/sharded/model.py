@@ -243,6 +243,7 @@ class _Node(typing.NamedTuple):
     inputs: tuple
     output: object
     tensor: _Tensor
+    activity_regularizer: object = None
 
 
 def mixes_channels(layer):
@@ -375,7 +376,7 @@ class ShardedModel(tf.Module):
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
             op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
-            self.nodes.append(_Node(op, inputs, output, tensors[output]))
+            self.nodes.append(_Node(op, inputs, output, tensors[output], layer.activity_regularizer))
             converted[layer.name] = op
         #: The modules with weights, in the Keras model's layer order (its weight order).
         self.weighted = [converted[layer.name] for layer in model.layers
@@ -455,19 +456,28 @@ class ShardedModel(tf.Module):
 
     def __call__(self, x, training=False):
         """Images in, probabilities out; the batch is split over ``"batch"`` when it splits evenly."""
+        return self.call_with_losses(x, training)[0]
+
+    def call_with_losses(self, x, training=False):
+        """What ``__call__`` returns, and the Keras model's ``losses`` of this call: its weight regularizers and
+        its layers' activity regularizers (each divided by the batch size, as Keras does)."""
+        losses = [loss for layer in self.weighted for loss in layer.regularization_losses()]
         values = {self.input_key: dtensor.relayout(x, activation_layout(self.mesh, x.shape))}
         for node in self.nodes:
             inputs = [values[key] for key in node.inputs]
             if node.op is None:
-                values[node.output] = inputs[0]
-                continue
-            y = node.op(*inputs, training=training)
-            layout = activation_layout(self.mesh, y.shape, node.tensor.sharded, node.tensor.batch_split)
-            values[node.output] = dtensor.relayout(y, layout)
+                y = inputs[0]
+            else:
+                y = node.op(*inputs, training=training)
+                y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, node.tensor.sharded,
+                                                          node.tensor.batch_split))
+            values[node.output] = y
+            if node.activity_regularizer is not None:
+                losses.append(node.activity_regularizer(y) / y.shape[0])
         if training:
             self.step.assign_add(1)
         y = values[self.output_key]
-        return dtensor.relayout(y, activation_layout(self.mesh, y.shape))
+        return dtensor.relayout(y, activation_layout(self.mesh, y.shape)), losses
 
     def forward(self, x):
         """The model on numpy images (inference), as numpy probabilities."""

@@ -224,9 +224,10 @@ def _steps(sharded, optimizer, loss_fn):
     mesh = sharded.mesh
 
     def loss_and_predictions(x, y, training):
-        y_pred = sharded(x, training=training)
+        y_pred, regularization = sharded.call_with_losses(x, training=training)
         y = dtensor.relayout(y, activation_layout(mesh, y.shape))
-        return tf.reduce_mean(loss_fn(y, y_pred)), y_pred
+        loss = tf.reduce_mean(loss_fn(y, y_pred))
+        return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), y_pred
 
     @tf.function
     def train_step(x, y, learning_rate):
