@@ -204,7 +204,20 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
         except (ValueError, TypeError, KeyError) as error:  # written by another version, or damaged
             log(f"plan: the cached plan {path} is unreadable ({type(error).__name__}: {error}); measuring again")
     x, y = _trial_data(x, y, batch_size)
-    labelled, trials = _labelled(candidates, devices, batch_size), []
+    with keras.saving.custom_object_scope(rebuild.custom_objects(model)):  # a plain function as the loss
+        trials = _measure(model, _labelled(candidates, devices, batch_size), x, y, batch_size, precision, log)
+    _relate(trials)
+    trials.sort(key=lambda t: -t.images_per_second if not t.error else math.inf)
+    result = Plan(key, trials)
+    if cache and candidates is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"key": key, "trials": [dataclasses.asdict(t) for t in trials]}, indent=1))
+    return result
+
+
+def _measure(model, labelled, x, y, batch_size, precision, log):
+    """A trial of every strategy in ``labelled`` (label -> strategy); the contenders timed once more."""
+    trials = []
     for label, strategy in labelled.items():
         log(f"plan: trying {label}")
         trials.append(_trial(model, label, strategy, x, y, batch_size, precision))
@@ -217,13 +230,7 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
                 f"stands")
             continue
         trial.images_per_second = (trial.images_per_second + again) / 2
-    _relate(trials)
-    trials.sort(key=lambda t: -t.images_per_second if not t.error else math.inf)
-    result = Plan(key, trials)
-    if cache and candidates is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"key": key, "trials": [dataclasses.asdict(t) for t in trials]}, indent=1))
-    return result
+    return trials
 
 
 def choose(model, x, y, *, batch_size=64, devices=None, precision="float32", candidates=None, log=print):

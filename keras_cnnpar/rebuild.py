@@ -15,6 +15,8 @@ Example:
 True
 """
 
+import inspect
+
 import keras
 from keras import tree
 
@@ -48,6 +50,29 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         fused.fuse(copy.optimizer)
     copy_state(model, copy)
     return copy
+
+
+def custom_objects(model):
+    """The functions and classes of ``model``'s compile arguments (loss, metrics), by the names Keras serializes
+    them under: in ``keras.saving.custom_object_scope``, a copy compiled from ``get_compile_config()`` (as
+    ``keras.models.clone_model`` compiles a ``Sequential``'s) finds a plain function given as the loss, which
+    Keras finds only when registered.
+
+    >>> def doubled(y_true, y_pred):
+    ...     return 2 * keras.losses.mean_squared_error(y_true, y_pred)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile(loss=doubled, metrics=["mae", keras.metrics.RootMeanSquaredError()])
+    >>> custom_objects(model)
+    {'doubled': <function doubled at ...>, 'RootMeanSquaredError': <class '...RootMeanSquaredError'>}
+    """
+    arguments = getattr(getattr(model, "_compile_config", None), "config", {})  # compile's arguments, as given
+    found = {}
+    for item in tree.flatten([arguments.get(name) for name in ("loss", "metrics", "weighted_metrics")]):
+        if inspect.isfunction(item):
+            found[item.__name__] = item
+        elif isinstance(item, (keras.losses.Loss, keras.metrics.Metric)):
+            found[type(item).__name__] = type(item)
+    return found
 
 
 def clone_with(model, change):

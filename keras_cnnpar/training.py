@@ -17,7 +17,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import arguments, fitting, hardware, planner
+from keras_cnnpar import arguments, fitting, hardware, planner, rebuild
 
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
@@ -63,12 +63,13 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         **fit_kwargs: as in ``keras.Model.fit``.
     """
     plan = note = None
-    if isinstance(strategy, str) and strategy == "auto":
-        strategy, plan, note = _auto(model, x, y, batch_size, precision, fit_kwargs.get("verbose", 1))
-    history = fitting.fit(model, x, y, strategy=strategy, results_dir=results_dir, batch_size=batch_size,
-                          epochs=epochs, validation_data=validation_data, validation_split=validation_split,
-                          shuffle=shuffle, callbacks=callbacks, initial_epoch=initial_epoch, resume=resume,
-                          precision=precision, fused_optimizer=fused_optimizer, note=note, **fit_kwargs)
+    with keras.saving.custom_object_scope(rebuild.custom_objects(model)):  # a plain function as the loss
+        if isinstance(strategy, str) and strategy == "auto":
+            strategy, plan, note = _auto(model, x, y, batch_size, precision, fit_kwargs.get("verbose", 1))
+        history = fitting.fit(model, x, y, strategy=strategy, results_dir=results_dir, batch_size=batch_size,
+                              epochs=epochs, validation_data=validation_data, validation_split=validation_split,
+                              shuffle=shuffle, callbacks=callbacks, initial_epoch=initial_epoch, resume=resume,
+                              precision=precision, fused_optimizer=fused_optimizer, note=note, **fit_kwargs)
     history.plan = plan
     return history
 

@@ -124,7 +124,7 @@ class MeshRun(base.Run):
     def __init__(self, strategy, settings, model, sharded_model, optimizer):
         super().__init__(strategy, settings, model)
         self.sharded, self.optimizer = sharded_model, optimizer
-        self.loss = keras.losses.get(model.get_compile_config()["loss"])
+        self.loss = _weighted_loss(model)
 
     def report(self):
         return self.sharded.report()
@@ -217,6 +217,21 @@ class Hybrid(ChannelSharded):
         """The batch-axis shards of the first batch: contiguous rows, as the ``"batch"`` layout splits them."""
         x = next(iter(dataset))[0].numpy()
         return np.array_split(x, self.data) if len(x) % self.data == 0 else [x] * self.data
+
+
+def _weighted_loss(model):
+    """The compiled loss of ``model`` (one output), times its ``loss_weights`` when given, as Keras computes it.
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> model.compile(loss="mse", loss_weights=[0.5])
+    >>> float(_weighted_loss(model)(np.ones((1, 1)), np.zeros((1, 1)))[0])  # the error of one example, halved
+    0.5
+    """
+    loss, weight = keras.losses.get(model.loss), model.get_compile_config().get("loss_weights")
+    if weight is None:
+        return loss
+    (weight,) = weight.values() if isinstance(weight, dict) else np.atleast_1d(weight)  # one output: one weight
+    return lambda y_true, y_pred: float(weight) * loss(y_true, y_pred)
 
 
 def _steps(sharded, optimizer, loss_fn):
