@@ -156,6 +156,19 @@ def optimizer_state(optimizer):
     return [v for v in optimizer.variables if v.name != "learning_rate"]
 
 
+def learning_rate_schedule(optimizer):
+    """The ``LearningRateSchedule`` that ``optimizer`` was given as its rate, else None (a rate to set).
+
+    >>> schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    >>> learning_rate_schedule(keras.optimizers.SGD(schedule)) is schedule
+    True
+    >>> learning_rate_schedule(keras.optimizers.SGD(0.1)) is None
+    True
+    """
+    rate = getattr(optimizer, "_learning_rate", None)  # Keras keeps the schedule there; `learning_rate` is its value
+    return rate if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) else None
+
+
 def _scaled_optimizer(optimizer, factor):
     config = keras.optimizers.serialize(optimizer)
     if factor == 1.0:

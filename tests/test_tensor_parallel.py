@@ -82,11 +82,15 @@ def test_a_sharded_layer_matches_its_keras_twin_forward_and_backward(twin, mode)
 
 
 @pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
-@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam"])
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adam with a schedule"])
 def test_two_steps_match_single_within_1e_4(strategy, optimizer, few_digits):
+    """The schedule halves the rate at every step; the mesh optimizer had taken the epoch's rate (1e-2) for both
+    steps."""
+    halved = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)
     optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
                   "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-                  "adam": lambda: keras.optimizers.Adam(1e-3)}
+                  "adam": lambda: keras.optimizers.Adam(1e-3),
+                  "adam with a schedule": lambda: keras.optimizers.Adam(halved)}
 
     def trained(strategy):
         model = build_small_cnn()

@@ -125,7 +125,9 @@ class CoordinatorProcessRun(Run):
         epoch_dataset = tf.data.Dataset.from_generator(lambda: itertools.islice(batches, steps),
                                                        output_signature=element_spec)
         epoch_dataset.save(str(self.folder / f"train-{epoch}"))
-        rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        optimizer = self.model.optimizer  # its rate, as callbacks left it; a schedule is the coordinator's own copy
+        rate = None if rebuild.learning_rate_schedule(optimizer) else float(keras.ops.convert_to_numpy(
+            optimizer.learning_rate))
         self._send({"train": f"train-{epoch}", "learning_rate": rate})
         logs = json.loads(self._expect(EPOCH))
         shutil.rmtree(self.folder / f"train-{epoch}")
@@ -226,7 +228,8 @@ def main(folder, parent, private_network=False):
 
         def epoch_batches(epoch):
             message = _receive()
-            training.model.optimizer.learning_rate = message["learning_rate"]
+            if message["learning_rate"] is not None:
+                training.model.optimizer.learning_rate = message["learning_rate"]
             return tf.data.Dataset.load(str(folder / message["train"]))
 
         training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)

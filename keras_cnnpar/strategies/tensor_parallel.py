@@ -305,7 +305,8 @@ class _MeshOptimizer:
     Its state (``iterations``, then each variable's slots in Keras's order)
     moves to and from the Keras optimizer, so training continues across
     strategies. The learning rate is read from the Keras optimizer every
-    epoch, so schedules set by callbacks apply. With ``fused`` the updates
+    epoch, so schedules set by callbacks apply; a ``LearningRateSchedule``
+    given as the rate is evaluated at every step. With ``fused`` the updates
     run as TensorFlow's fused kernels (``ResourceApplyAdam``,
     ``ResourceApplyKerasMomentum``), which DTensor runs on each device's
     shard of a DVariable, with Keras's results (see ``cnnpar.fused``).
@@ -327,6 +328,8 @@ class _MeshOptimizer:
             if self.config.get(key, default) != default:
                 raise ValueError(f"tensor-parallel training does not implement {kind}'s {key}; leave it at "
                                  f"{default!r}. Received: {key}={self.config[key]!r}")
+        #: A ``LearningRateSchedule`` given as the rate: evaluated at every step, as Keras does (else None).
+        self.schedule = rebuild.learning_rate_schedule(optimizer)
         slots = self.SLOTS[kind] if kind == "Adam" or self.config["momentum"] else ()
         mesh = dtensor.fetch_layout(variables[0]).mesh
         self.scalar = dtensor.Layout.replicated(mesh, 0)
@@ -354,6 +357,8 @@ class _MeshOptimizer:
         was not ordered after the assignment, and the variable missed its update.
         """
         iterations = self.iterations.read_value()
+        if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
+            learning_rate = self.schedule(iterations)
         rule = self._sgd if self.kind == "SGD" else self._adam
         for gradient, variable, slots in zip(gradients, variables, self.slots):
             rule(gradient, variable, slots, tf.cast(learning_rate, variable.dtype), iterations)
