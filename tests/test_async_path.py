@@ -89,12 +89,14 @@ class Watcher(threading.Thread):
 
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory):
-    """A 6-epoch AsyncPS(2) fit of a model built first, on 512 digits, watched from a thread."""
+    """A 6-epoch AsyncPS(2) fit of a model built first, on 512 digits, watched from a thread. The rate is a
+    schedule (nearly constant): the coordinator used to be sent the epoch's rate to set, which Keras refuses."""
     temporary = tmp_path_factory.mktemp("temporary")
     digits = cnnpar.data.load()
     x, y = digits.x[:512], digits.y[:512]
     validation = (digits.x[512:768], digits.y[512:768])
-    model = build_small_cnn(seed=0, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=10**6, decay_rate=0.5)
+    model = build_small_cnn(seed=0, optimizer=keras.optimizers.SGD(schedule, momentum=0.9))
     handed_back = {}
     finalize = async_remote.CoordinatorProcessRun.finalize
 
