@@ -96,6 +96,25 @@ def test_one_sgd_step_matches_single_within_1e_5(small_cnn, digits, microbatches
     assert max_weight_difference(single, placed) < 1e-5
 
 
+def test_images_given_as_integers_take_single_s_step(digits):
+    """A ``Rescaling`` first casts them; the stage timer took their gradient (None) and failed."""
+    def rescaling_cnn():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Rescaling(1 / 255),
+                                  keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.Flatten(),
+                                  keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x, y = (digits.x[::78][:64] * 255).astype("uint8"), digits.y[::78][:64]
+    single, placed = rescaling_cnn(), rescaling_cnn()
+    for model, strategy in [(single, "single"), (placed, cnnpar.LayerPlacement(2, microbatches=2))]:
+        cnnpar.fit(model, x, y, batch_size=64, shuffle=False, verbose=0, strategy=strategy, results_dir=None)
+    assert max_weight_difference(single, rescaling_cnn()) > 1e-3
+    assert max_weight_difference(single, placed) < 1e-5
+
+
 def test_epoch_csv_records_bubble_and_measured_stage_times(small_cnn, few_digits, tmp_path):
     small_cnn().fit(*few_digits, batch_size=64, epochs=2, verbose=0, results_dir=tmp_path,
                     strategy=cnnpar.LayerPlacement(2, microbatches=4))

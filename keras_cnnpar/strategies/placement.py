@@ -289,24 +289,26 @@ class StageTimes(keras.callbacks.Callback):
 
 
 def _time_stage(layers, x, repeats=5):
-    """Median seconds of forward + backward through ``layers`` on ``x``; and the stage's output."""
-    variables = [w for layer in layers for w in layer.trainable_weights]
+    """Median seconds of forward + backward through ``layers`` on ``x``; and the stage's output. The gradient
+    reaches ``x`` where it is a float (not the images of a first stage given as integers)."""
+    variables, floating = [w for layer in layers for w in layer.trainable_weights], x.dtype.is_floating
 
     @tf.function
     def step(inputs):
         with tf.GradientTape() as tape:
-            tape.watch(inputs)
+            if floating:
+                tape.watch(inputs)
             out = inputs
             for layer in layers:
                 out = layer(out, training=True)
             total = tf.reduce_sum(out)
-        return out, tape.gradient(total, [inputs, *variables])
+        return out, tape.gradient(total, [inputs, *variables] if floating else variables)
 
     out, _ = step(x)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         _, grads = step(x)
-        float(tf.reduce_sum(grads[0]))  # wait for the result
+        float(sum(tf.reduce_sum(g) for g in grads if g is not None))  # wait for the results
         times.append(time.perf_counter() - start)
     return float(np.median(times)), out
