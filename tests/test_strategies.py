@@ -109,11 +109,12 @@ def doubled_cross_entropy(y_true, y_pred):
     return 2.0 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
 
 
-@pytest.mark.parametrize("strategy", ["single", "mirrored", "layers", "channels", "hybrid"])
+@pytest.mark.parametrize("strategy", ["single", "layers", "channels"])
 def test_a_plain_function_as_the_loss_and_loss_weights_give_keras_s_own_step(few_digits, strategy):
     """Every in-process strategy trains a copy compiled from the model's config, which named the function
     without finding it (a TypeError, under Single too, as ``keras.models.clone_model`` of the model raises); the
-    tensor-parallel loss left ``loss_weights`` out (twice Keras's loss here, weights 1.4e-2 off)."""
+    tensor-parallel loss left ``loss_weights`` out (twice Keras's loss). Mirrored copies the model as Single
+    does, Hybrid computes the loss as ChannelSharded does."""
     x, y = few_digits[0][:64], few_digits[1][:64]
     keras_model, model = (build_small_cnn() for _ in range(2))
     for each in (keras_model, model):
