@@ -309,6 +309,8 @@ def _time_stage(layers, x, repeats=5):
     for _ in range(repeats):
         start = time.perf_counter()
         _, grads = step(x)
-        float(sum(tf.reduce_sum(g) for g in grads if g is not None))  # wait for the results
+        for gradient in grads:  # wait for the results (of mixed dtypes under mixed precision)
+            if gradient is not None:
+                float(tf.reduce_sum(gradient))
         times.append(time.perf_counter() - start)
     return float(np.median(times)), out
