@@ -1,4 +1,4 @@
-"""Accuracy floors: 3 epochs on the default data at batch 64, as in the original project."""
+"""Accuracy floors: 3 epochs on the default data at batch 64, as in the original project (Hybrid: 2)."""
 
 import keras
 import pytest
@@ -14,18 +14,20 @@ pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest 
 # Single's on other CNNs as well (tests/test_strategies.py, tests/test_tensor_parallel.py,
 # tests/test_functional_corpus.py), so a second CNN under the same strategy would guard nothing more (the 3+3
 # under mirrored cost 84 s of the suite; the 3+3 under hybrid in bfloat16, 43 s for 2 epochs alone where the
-# 2+2 took 26). Hybrid runs in the precision this CPU computes fastest ("auto": bfloat16 where it is native).
-@pytest.mark.parametrize("kind, strategy, precision", [
-    ("2+2", "single", "float32"), ("3+3", "single", "float32"), ("2+2", "mirrored", "float32"),
-    ("2+2", "channels", "float32"), ("2+2", "hybrid", "auto"),
-    pytest.param("2+2", "single", "mixed_bfloat16", marks=NATIVE_BFLOAT16),
+# 2+2 took 26). Hybrid runs in the precision this CPU computes fastest ("auto": bfloat16 where it is native),
+# for two epochs: its 2+2 read 0.955 and 0.957 after two (seeds 0 and 1, in bfloat16 and float32 alike), 2.5
+# points over the floor, at three times Single's step (its third epoch cost 30-40 s of the suite).
+@pytest.mark.parametrize("kind, strategy, precision, epochs", [
+    ("2+2", "single", "float32", 3), ("3+3", "single", "float32", 3), ("2+2", "mirrored", "float32", 3),
+    ("2+2", "channels", "float32", 3), ("2+2", "hybrid", "auto", 2),
+    pytest.param("2+2", "single", "mixed_bfloat16", 3, marks=NATIVE_BFLOAT16),
 ])
-def test_three_epochs_reach_the_validation_accuracy_floor(kind, strategy, precision, digits_split):
+def test_training_reaches_the_validation_accuracy_floor(kind, strategy, precision, epochs, digits_split):
     train, val = digits_split
     precision = hardware.auto_precision() if precision == "auto" else precision
     keras.utils.set_random_seed(0)
     model = cnnpar.models.cnn(kind)
-    history = model.fit(train.x, train.y, epochs=3, batch_size=64, validation_data=(val.x, val.y),
+    history = model.fit(train.x, train.y, epochs=epochs, batch_size=64, validation_data=(val.x, val.y),
                         verbose=0, strategy=strategy, results_dir=None, precision=precision)
     assert history.history["val_accuracy"][-1] >= FLOORS[kind]
     _, accuracy = model.evaluate(val.x, val.y, verbose=0)  # the user's model holds the trained weights
