@@ -97,12 +97,12 @@ class GradientParityCheck(keras.callbacks.Callback):
                   file=sys.stderr)
         allowed = self.tolerance if np.isnan(self.noise) else max(self.tolerance, NOISE_FACTOR * self.noise)
         self.verdict = "pass" if self.difference <= allowed else "FAIL"
-        if self.verdict == "FAIL" and _normalizes_per_replica(self.reference, self.strategy):
-            self.verdict = "FAIL (expected: BatchNormalization per replica)"
+        expected = _expected_difference(self.reference, self.strategy) if self.verdict == "FAIL" else None
+        if expected:
+            reason, why = expected
+            self.verdict = f"FAIL (expected: {reason})"
             print(f"GradientParityCheck: the step under {self.strategy!r} differs from Single's by "
-                  f"{self.difference:.3g}, as expected: its BatchNormalization layers normalize each replica's "
-                  f"slice of the batch with that slice's statistics (sync_batchnorm=False); with "
-                  f"sync_batchnorm=True they use the global batch's, and the step is Single's", file=sys.stderr)
+                  f"{self.difference:.3g}, as expected: {why}", file=sys.stderr)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -110,12 +110,21 @@ class GradientParityCheck(keras.callbacks.Callback):
                         grad_parity_verdict=self.verdict)
 
 
-def _normalizes_per_replica(model, strategy):
-    """Whether ``strategy`` splits each batch over replicas that normalize with their own slice's statistics."""
-    has_norm = any(isinstance(layer, keras.layers.BatchNormalization)
-                   for layer in model._flatten_layers(include_self=False, recursive=True))
-    return has_norm and strategy.num_replicas > 1 and strategies.accepts(strategy.alias, "sync_batchnorm") \
-        and not strategy.sync_batchnorm
+def _expected_difference(model, strategy):
+    """Why ``strategy``'s step on ``model`` is meant to differ from Single's, as ``(reason, explanation)``, or None:
+    BatchNormalization over parts of the batch (replicas without ``sync_batchnorm``, or pipeline micro-batches)."""
+    if not any(isinstance(layer, keras.layers.BatchNormalization)
+               for layer in model._flatten_layers(include_self=False, recursive=True)):
+        return None
+    if strategy.num_replicas > 1 and strategies.accepts(strategy.alias, "sync_batchnorm") \
+            and not strategy.sync_batchnorm:
+        return ("BatchNormalization per replica", "its BatchNormalization layers normalize each replica's slice of "
+                "the batch with that slice's statistics (sync_batchnorm=False); with sync_batchnorm=True they use "
+                "the global batch's, and the step is Single's")
+    if getattr(strategy, "microbatches", 1) > 1:
+        return ("BatchNormalization per micro-batch", "its BatchNormalization layers normalize each micro-batch "
+                "with that micro-batch's statistics, as in GPipe; with microbatches=1 the step is Single's")
+    return None
 
 
 def gradient_difference(model, strategy, x, y):

@@ -1,5 +1,5 @@
-"""BatchNormalization under data parallelism: synchronized statistics give Single's step; per-replica ones do not,
-and the parity check says why."""
+"""BatchNormalization under data parallelism: synchronized statistics give Single's step; per-replica (and
+per-micro-batch) ones do not, and the parity check says why."""
 
 import pytest
 
@@ -42,6 +42,16 @@ def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, sing
     assert check.verdict == "FAIL (expected: BatchNormalization per replica)"
     assert "its BatchNormalization layers normalize each replica's slice of the batch with that slice's statistics " \
            "(sync_batchnorm=False)" in capsys.readouterr().err
+
+
+def test_micro_batch_statistics_differ_and_the_parity_check_says_why(batch, capsys):
+    """GPipe's BatchNormalization per micro-batch: the plan showed a bare FAIL for such a layer placement."""
+    check = GradientParityCheck(build_residual_cnn(seed=3), cnnpar.LayerPlacement(2, microbatches=2), *batch)
+    check.on_train_begin()
+    assert check.difference > 10 * SYNCHRONIZED_STEP_TOLERANCE
+    assert check.verdict == "FAIL (expected: BatchNormalization per micro-batch)"
+    assert "its BatchNormalization layers normalize each micro-batch with that micro-batch's statistics, as in " \
+           "GPipe; with microbatches=1 the step is Single's" in capsys.readouterr().err
 
 
 def test_the_parity_check_passes_a_synchronized_split_within_the_model_s_float_noise(batch):
