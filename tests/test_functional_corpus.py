@@ -5,10 +5,10 @@ the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
 convolutions; global pooling with and without ``keepdims``; Dense logits
-without a softmax; weight and activity regularizers (in float32). One SGD step under ``ChannelSharded(2)`` and
-``Hybrid(2, 2)`` must give Single's weights, BatchNormalization's moving
-statistics included: within 1e-9 in float64 (the same arithmetic, summed in
-another order) and 1e-4 in float32.
+without a softmax; weight and activity regularizers (in float32). One SGD
+step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
+weights, BatchNormalization's moving statistics included: within 1e-9 in
+float64 (the same arithmetic, summed in another order) and 1e-4 in float32.
 """
 
 import functools
