@@ -25,6 +25,7 @@ import re
 import warnings
 from pathlib import Path
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -293,8 +294,9 @@ def split(digits, *, validation_fraction=0.2, seed=0):
     return digits.subset(train), digits.subset(val)
 
 
-def pipeline(x, y, batch_size, *, shuffle=True, seed=None):
-    """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``.
+def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
+    """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``, or of
+    ``(x, y, sample_weight)`` where weights are given.
 
     Shuffling reshuffles every epoch and follows TensorFlow's global seed
     (``keras.utils.set_random_seed``) and ``seed``; processes that share both
@@ -302,10 +304,67 @@ def pipeline(x, y, batch_size, *, shuffle=True, seed=None):
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int. Received: batch_size={batch_size!r}")
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).cache()
+    examples = (x, y) if sample_weight is None else (x, y, sample_weight)
+    dataset = tf.data.Dataset.from_tensor_slices(examples).cache()
     if shuffle:
         dataset = dataset.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
     return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def python_batches(source):
+    """A Python generator (or iterator) of batches, or a ``keras.utils.PyDataset``, as a ``tf.data.Dataset``.
+
+    A ``PyDataset`` gives one pass of its ``len()`` batches per epoch and its
+    ``on_epoch_end`` is called after each pass, as Keras's ``fit`` does (its
+    ``workers`` and ``use_multiprocessing`` are not used: batches are read in
+    order, on one thread). A generator is read once, as by Keras: give
+    ``steps_per_epoch`` for an endless one.
+
+    >>> batches = python_batches(iter([(np.zeros((2, 3)), np.ones(2))] * 3))
+    >>> batches.element_spec[0].shape.as_list(), len(list(batches))
+    ([None, 3], 3)
+    """
+    if isinstance(source, keras.utils.PyDataset):
+        first = source[0]
+
+        def batches():
+            yield from (tuple(source[index]) for index in range(len(source)))
+            source.on_epoch_end()
+    else:
+        first = next(source)
+        peeked = [first]
+
+        def batches():  # a second pass goes on where the first stopped, as the generator itself does
+            while peeked:
+                yield tuple(peeked.pop())
+            yield from (tuple(batch) for batch in source)
+    signature = tuple(tf.TensorSpec((None, *np.shape(part)[1:]), tf.as_dtype(np.asarray(part).dtype))
+                      for part in first)
+    dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    if isinstance(source, keras.utils.PyDataset):
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(source)))
+    return dataset
+
+
+def class_sample_weights(labels, class_weight):
+    """Keras's ``class_weight`` as each example's weight: ``class_weight[label]``, for integer or one-hot
+    ``labels`` (a numpy array or a tensor of a batch).
+
+    >>> class_sample_weights(np.array([0, 2, 2]), {0: 1.0, 1: 0.5, 2: 3.0}).numpy().tolist()
+    [1.0, 3.0, 3.0]
+    >>> class_sample_weights(np.array([3]), {0: 1.0, 2: 3.0})
+    Traceback (most recent call last):
+    ValueError: class_weight must give a weight to every class from 0 to 2. Received: class_weight={0: 1.0, 2: 3.0}
+    """
+    classes = max(class_weight) + 1 if class_weight else 0
+    if sorted(class_weight) != list(range(classes)):
+        raise ValueError(f"class_weight must give a weight to every class from 0 to {classes - 1}. "
+                         f"Received: class_weight={class_weight}")
+    table = tf.constant([class_weight[c] for c in range(classes)], tf.float32)
+    labels = tf.convert_to_tensor(labels)
+    one_hot = labels.shape.rank > 1 and labels.shape[-1] > 1
+    classes_of = tf.argmax(labels, axis=-1) if one_hot else tf.reshape(labels, [-1])
+    return tf.gather(table, tf.cast(classes_of, tf.int32))
 
 
 def write_kaggle(out_dir, *, test_fraction=0.2, seed=0):

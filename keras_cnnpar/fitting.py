@@ -10,6 +10,7 @@ plan first, for ``strategy="auto"``) sits above them.
 <Single devices=1>
 """
 
+import collections.abc
 import contextlib
 import hashlib
 import math
@@ -36,9 +37,13 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     if resume and not strategy.keeps_checkpoints:
         raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
                          f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
+    if isinstance(x, (keras.utils.PyDataset, collections.abc.Iterator)):  # batches made by the user's Python
+        x = data_lib.python_batches(x)
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
+    weights = {"sample_weight": fit_kwargs.pop("sample_weight", None),
+               "class_weight": fit_kwargs.pop("class_weight", None)}
     train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
-                                                strategy, given_steps=fit_kwargs)
+                                                strategy, given_steps=fit_kwargs, **weights)
     if samples is not None and fit_kwargs.get("steps_per_epoch"):
         samples = fit_kwargs["steps_per_epoch"] * batch_size
     fit_kwargs = {**steps, **fit_kwargs}
@@ -135,15 +140,25 @@ def check_model(model):
                          f"before fit. Received: model.compiled=False")
 
 
-def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=()):
+def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=(),
+            sample_weight=None, class_weight=None):
     """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
 
     Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
     the ``steps_per_epoch`` / ``validation_steps`` that go with repeated ones.
     A user's datasets are repeated (:func:`_repeated`) unless ``given_steps``
-    (the user's ``fit`` options) already sets their steps.
+    (the user's ``fit`` options) already sets their steps. Sample weights and class
+    weights become the training batches' third element, as Keras's ``fit``
+    makes them, before any strategy sees the data.
     """
+    if sample_weight is not None and class_weight:
+        raise ValueError("give sample_weight or class_weight, not both (multiply them into sample_weight). "
+                         f"Received: class_weight={class_weight}")
     if isinstance(x, tf.data.Dataset):
+        if sample_weight is not None:
+            raise ValueError("with a dataset as x, put the sample weights in its batches, as (x, y, "
+                             f"sample_weight); give no sample_weight. Received: sample_weight of type "
+                             f"{type(sample_weight).__name__}")
         if batch_size is not None or y is not None or validation_split:
             raise ValueError("with a tf.data.Dataset as x, batch it yourself and give no y, batch_size or "
                              f"validation_split. Received: batch_size={batch_size}, y={type(y).__name__}, "
@@ -151,6 +166,8 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
             raise ValueError("with a tf.data.Dataset as x, give validation_data as a dataset too. "
                              f"Received: validation_data of type {type(validation_data).__name__}")
+        if class_weight:
+            x = x.map(lambda *batch: (*batch[:2], data_lib.class_sample_weights(batch[1], class_weight)))
         train, steps = x, None
         if "steps_per_epoch" not in given_steps:
             train, steps = _repeated(x, strategy.steps_per_execution)
@@ -160,23 +177,26 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         steps = {"steps_per_epoch": steps, "validation_steps": validation_steps}
         return train, validation, {k: v for k, v in steps.items() if v is not None}, None
     x, y = np.asarray(x), np.asarray(y)
-    if len(x) != len(y):
-        raise ValueError(f"x and y must hold the same number of examples. Received: len(x)={len(x)}, len(y)={len(y)}")
+    weights = None if sample_weight is None else np.asarray(sample_weight, np.float32)
+    if len(x) != len(y) or (weights is not None and len(weights) != len(x)):
+        raise ValueError(f"x, y and sample_weight must hold the same number of examples. Received: len(x)={len(x)}, "
+                         f"len(y)={len(y)}" + ("" if weights is None else f", len(sample_weight)={len(weights)}"))
     if validation_split:
         if validation_data is not None:
             raise ValueError("give validation_data or validation_split, not both. "
                              f"Received: validation_split={validation_split}")
         cut = int(len(x) * (1.0 - validation_split))
-        x, y, validation_data = x[:cut], y[:cut], (x[cut:], y[cut:])
-    train, steps = _epoch_dataset(x, y, batch_size * strategy.accumulate, strategy.steps_per_execution,
-                                  shuffle=bool(shuffle),
-                                  seed=strategy.shuffle_seed)
+        validation_data = (x[cut:], y[cut:]) + (() if weights is None else (weights[cut:],))
+        x, y, weights = x[:cut], y[:cut], None if weights is None else weights[:cut]
+    if class_weight:  # for training only, as Keras's fit applies it
+        weights = data_lib.class_sample_weights(y, class_weight).numpy()
+    train, steps = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate, strategy.steps_per_execution,
+                                  shuffle=bool(shuffle), seed=strategy.shuffle_seed)
     steps = {"steps_per_epoch": steps}
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        val_x, val_y = (np.asarray(a) for a in validation_data[:2])
-        validation, steps["validation_steps"] = _epoch_dataset(val_x, val_y, batch_size,
-                                                               strategy.steps_per_execution)
+        arrays = [np.asarray(a) for a in validation_data] + [None]
+        validation, steps["validation_steps"] = _epoch_dataset(arrays[:3], batch_size, strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
 
 
@@ -196,8 +216,9 @@ def _repeated(dataset, steps_per_execution):
     return dataset.repeat(), batches
 
 
-def _epoch_dataset(x, y, batch_size, steps_per_execution, *, shuffle=False, seed=None):
-    """The input pipeline of ``(x, y)``, repeated with its steps per pass where Keras allows; else ``steps=None``.
+def _epoch_dataset(examples, batch_size, steps_per_execution, *, shuffle=False, seed=None):
+    """The input pipeline of ``examples`` (``x, y, sample_weight or None``), repeated with its steps per pass where
+    Keras allows; else ``steps=None``.
 
     A repeated dataset keeps one input iterator (and its per-device prefetching)
     for every epoch; a fresh distributed iterator per epoch costs seconds under
@@ -205,7 +226,8 @@ def _epoch_dataset(x, y, batch_size, steps_per_execution, *, shuffle=False, seed
     ``steps_per_execution`` chunks on a repeated dataset, so a pass whose steps
     are not a multiple of it stays finite and Keras stops at its end.
     """
-    dataset = data_lib.pipeline(x, y, batch_size, shuffle=shuffle, seed=seed)
+    x, y, sample_weight = examples
+    dataset = data_lib.pipeline(x, y, batch_size, sample_weight=sample_weight, shuffle=shuffle, seed=seed)
     steps = math.ceil(len(x) / batch_size)
     if steps % steps_per_execution:
         return dataset, None

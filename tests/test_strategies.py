@@ -1,4 +1,5 @@
 import inspect
+import itertools
 
 import keras
 import numpy as np
@@ -123,6 +124,70 @@ def test_a_plain_function_as_the_loss_and_loss_weights_give_keras_s_own_step(few
     history = one_step(model, x, y, strategy)
     assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
     assert max_weight_difference(model, keras_model) < 1e-4
+
+
+WEIGHTS = {"sample_weight": {"sample_weight": np.linspace(0.2, 1.8, 64, dtype=np.float32)},
+           "class_weight": {"class_weight": {c: 0.5 + c / 5 for c in range(10)}}}
+
+
+@pytest.mark.parametrize("weights", sorted(WEIGHTS))
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "layers"])
+def test_sample_and_class_weights_give_keras_s_own_step(few_digits, strategy, weights):
+    """They went to Keras's ``fit`` beside the dataset made of the arrays, which Keras refuses for sample weights
+    (under Single too) and cannot map for class weights on MirroredStrategy's distributed dataset."""
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    keras_model, model = build_small_cnn(), build_small_cnn()
+    expected = keras_model.fit(x, y, batch_size=64, shuffle=False, verbose=0, **WEIGHTS[weights]).history["loss"]
+    history = cnnpar.fit(model, x, y, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None,
+                         **WEIGHTS[weights])
+    assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
+    assert max_weight_difference(model, keras_model) < 1e-5
+    assert max_weight_difference(model, build_small_cnn()) > 1e-3  # the step moved the weights
+
+
+@pytest.mark.parametrize("strategy", ["channels", "hybrid"])
+def test_sample_weights_under_a_tensor_parallel_loop_are_refused_by_name(few_digits, strategy):
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    with pytest.raises(ValueError) as raised:
+        cnnpar.fit(build_small_cnn(), x, y, strategy=strategy, batch_size=64, verbose=0, results_dir=None,
+                   class_weight=dict.fromkeys(range(10), 1.0))
+    name = type(cnnpar.strategies.resolve(strategy)).__name__
+    assert str(raised.value) == (
+        f"{name} trains on (x, y) batches; sample weights (sample_weight, class_weight, or a dataset's third "
+        f"element) are for Single, DataParallel, MultiWorker and LayerPlacement. Received: batches of 3 elements")
+
+
+class Batches(keras.utils.PyDataset):
+    """The first 64 digits in batches of 16, counting its passes."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.passes = x, y, 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return self.x[16 * index:16 * (index + 1)], self.y[16 * index:16 * (index + 1)]
+
+    def on_epoch_end(self):
+        self.passes += 1
+
+
+@pytest.mark.parametrize("strategy", ["single", "mirrored", "channels"])
+def test_a_py_dataset_and_a_generator_train_as_their_arrays_do(few_digits, strategy):
+    """Both failed before reaching any strategy (``len()`` of a generator; numpy of a PyDataset)."""
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    from_arrays, from_batches, from_generator = build_small_cnn(), build_small_cnn(), build_small_cnn()
+    cnnpar.fit(from_arrays, x, y, strategy=strategy, batch_size=16, epochs=2, shuffle=False, verbose=0,
+               results_dir=None)
+    batches = Batches(x, y)
+    history = cnnpar.fit(from_batches, batches, strategy=strategy, epochs=2, verbose=0, results_dir=None)
+    assert (len(history.history["loss"]), batches.passes) == (2, 2)  # on_epoch_end after each pass, as in Keras
+    endless = (batches[index % 4] for index in itertools.count())
+    cnnpar.fit(from_generator, endless, strategy=strategy, epochs=2, steps_per_epoch=4, verbose=0, results_dir=None)
+    assert max_weight_difference(from_batches, from_arrays) < 1e-5
+    assert max_weight_difference(from_generator, from_arrays) < 1e-5
 
 
 class TrainedState(keras.callbacks.Callback):

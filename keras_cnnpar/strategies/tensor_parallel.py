@@ -132,7 +132,7 @@ class MeshRun(base.Run):
     def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
         prepared = self.model
-        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported, validation_data)
         batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
         update_metrics = _metrics_update(prepared)
