@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, hardware, provenance, runs, strategies
+from keras_cnnpar import arguments, graph, hardware, provenance, runs, strategies
 from keras_cnnpar import callbacks as callback_lib
 from keras_cnnpar import data as data_lib
 from keras_cnnpar.user_callbacks import UserModelCallbacks, chief_writes
@@ -135,6 +135,11 @@ def check_model(model):
     """Refuse what is not a compiled Keras model, naming what was received."""
     if not isinstance(model, keras.Model):
         raise TypeError(f"fit() takes a keras.Model. Received: model={type(model).__name__}")
+    if not graph.is_graph(model):
+        raise TypeError("every strategy trains a copy of the model rebuilt from its graph of layers (as "
+                        "keras.models.clone_model does), which a keras.Sequential or a functional model "
+                        "(keras.Model(inputs, outputs)) has and a subclassed model has not. Received: model of "
+                        f"type {type(model).__name__}")
     if not model.compiled:
         raise ValueError(f"model {model.name!r} is not compiled; call model.compile(optimizer=..., loss=...) "
                          f"before fit. Received: model.compiled=False")

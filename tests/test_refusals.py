@@ -3,8 +3,11 @@
 import os
 import stat
 
+import keras
+import numpy as np
 import pytest
 
+import keras_cnnpar as cnnpar
 from keras_cnnpar import checkpoints, strategies
 from tests.helpers import build_small_cnn
 from tests.helpers import run_cli as run
@@ -112,3 +115,26 @@ def test_train_refuses_a_cluster_spec_that_is_not_utf8(small_csv, tmp_path):
                  tmp_path / "results")
     assert f"{spec}: expected UTF-8 JSON; byte 0xff at offset 47 is not UTF-8. Received: cluster='{spec}'" in \
         one_line_refusal(result)
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.logits = keras.layers.Dense(10)
+
+    def call(self, inputs):
+        return self.logits(keras.ops.reshape(inputs, (-1, 784)))
+
+
+def test_a_subclassed_model_is_refused_by_name_before_any_strategy_copies_it(tmp_path):
+    """Keras's errors were Single's ``set_weights`` with "a weight list of length 0" and Mirrored's
+    ``clone_model`` arguments."""
+    model = cnnpar.parallel(Subclassed())
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(TypeError) as raised:
+        model.fit(np.zeros((8, 28, 28, 1)), np.zeros(8), strategy="single", results_dir=tmp_path / "r", verbose=0)
+    assert str(raised.value) == (
+        "every strategy trains a copy of the model rebuilt from its graph of layers (as keras.models.clone_model "
+        "does), which a keras.Sequential or a functional model (keras.Model(inputs, outputs)) has and a "
+        "subclassed model has not. Received: model of type Subclassed")
+    assert not (tmp_path / "r").exists()  # refused before a file was written
