@@ -37,8 +37,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     if resume and not strategy.keeps_checkpoints:
         raise ValueError(f"strategy {strategy.alias!r} keeps no checkpoint to resume; resume is for "
                          f"{strategies.names(keeps_checkpoints=True)}. Received: resume={resume!r}")
-    if isinstance(x, (keras.utils.PyDataset, collections.abc.Iterator)):  # batches made by the user's Python
-        x = data_lib.python_batches(x)
+    x, validation_data = (data_lib.python_batches(data) if _python_batches(data) else data
+                          for data in (x, validation_data))
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     weights = {"sample_weight": fit_kwargs.pop("sample_weight", None),
                "class_weight": fit_kwargs.pop("class_weight", None)}
@@ -93,6 +93,11 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         history.strategy = strategy
         model.history = history
         return history
+
+
+def _python_batches(data):
+    """Whether ``data`` is batches made by the user's Python: a ``keras.utils.PyDataset`` or a generator."""
+    return isinstance(data, (keras.utils.PyDataset, collections.abc.Iterator))
 
 
 def _fit_whole_chunks(prepared, steps_per_epoch):

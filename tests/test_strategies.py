@@ -176,14 +176,17 @@ class Batches(keras.utils.PyDataset):
 
 @pytest.mark.parametrize("strategy", ["single", "mirrored", "channels"])
 def test_a_py_dataset_and_a_generator_train_as_their_arrays_do(few_digits, strategy):
-    """Both failed before reaching any strategy (``len()`` of a generator; numpy of a PyDataset)."""
+    """Both failed before reaching any strategy (``len()`` of a generator; numpy of a PyDataset); a PyDataset is
+    validation data too, as in Keras."""
     x, y = few_digits[0][:64], few_digits[1][:64]
     from_arrays, from_batches, from_generator = build_small_cnn(), build_small_cnn(), build_small_cnn()
-    cnnpar.fit(from_arrays, x, y, strategy=strategy, batch_size=16, epochs=2, shuffle=False, verbose=0,
-               results_dir=None)
+    expected = cnnpar.fit(from_arrays, x, y, strategy=strategy, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                          validation_data=(x, y), results_dir=None).history
     batches = Batches(x, y)
-    history = cnnpar.fit(from_batches, batches, strategy=strategy, epochs=2, verbose=0, results_dir=None)
-    assert (len(history.history["loss"]), batches.passes) == (2, 2)  # on_epoch_end after each pass, as in Keras
+    history = cnnpar.fit(from_batches, batches, strategy=strategy, epochs=2, verbose=0, results_dir=None,
+                         validation_data=Batches(x, y)).history
+    assert (len(history["loss"]), batches.passes) == (2, 2)  # on_epoch_end after each pass, as in Keras
+    assert history["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
     endless = (batches[index % 4] for index in itertools.count())
     cnnpar.fit(from_generator, endless, strategy=strategy, epochs=2, steps_per_epoch=4, verbose=0, results_dir=None)
     assert max_weight_difference(from_batches, from_arrays) < 1e-5
