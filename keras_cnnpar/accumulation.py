@@ -21,6 +21,7 @@ import itertools
 
 import keras
 import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
 
 
 class Accumulating(keras.Model):
@@ -29,25 +30,40 @@ class Accumulating(keras.Model):
     def __init__(self, inner, micro_batches):
         super().__init__(name=inner.name)
         self.inner, self.micro_batches = inner, micro_batches
+        if hasattr(inner, "output_names"):  # Keras names each output's loss and metrics by them, as for ``inner``
+            self.output_names = inner.output_names
 
     def call(self, inputs, training=False):
         return self.inner(inputs, training=training)
 
     def train_step(self, data):
-        x, y = data[:2]
-        size = tf.shape(x)[0]
-        bounds = [size * i // self.micro_batches for i in range(self.micro_batches + 1)]
         total = None
-        for start, stop in itertools.pairwise(bounds):
+        for x, y, sample_weight in split_batch(keras.utils.unpack_x_y_sample_weight(data), self.micro_batches):
             with tf.GradientTape() as tape:
-                y_pred = self.inner(x[start:stop], training=True)
-                loss = self.compute_loss(x=x[start:stop], y=y[start:stop], y_pred=y_pred, training=True)
+                y_pred = self.inner(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                # The epoch's "loss", as Keras's own train_step tracks it (it read 0.0 without).
+                self._loss_tracker.update_state(unscale_loss_for_distribution(loss),
+                                                sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
                 scaled_loss = self.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
             gradients = tape.gradient(scaled_loss, self.trainable_variables)
             total = gradients if total is None else [a + b for a, b in zip(total, gradients)]
-            self.compute_metrics(x[start:stop], y[start:stop], y_pred)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.optimizer.apply([g / self.micro_batches for g in total], self.trainable_variables)
         return self.get_metrics_result()
+
+
+def split_batch(batch, parts):
+    """``batch`` (a tensor, or a tuple or dict of them, of one batch) as ``parts`` consecutive slices of its
+    examples, as even as they divide.
+
+    >>> [part[1].numpy().tolist() for part in split_batch((tf.zeros((5, 2)), tf.range(5)), 2)]
+    [[0, 1], [2, 3, 4]]
+    """
+    size = tf.shape(tf.nest.flatten(batch)[0])[0]
+    bounds = [size * i // parts for i in range(parts + 1)]
+    return [tf.nest.map_structure(lambda tensor: None if tensor is None else tensor[start:stop], batch)  # noqa: B023
+            for start, stop in itertools.pairwise(bounds)]
 
 
 def wrap(clone, micro_batches):

@@ -296,7 +296,7 @@ def split(digits, *, validation_fraction=0.2, seed=0):
 
 def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
     """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``, or of
-    ``(x, y, sample_weight)`` where weights are given.
+    ``(x, y, sample_weight)`` where weights are given; ``x`` and ``y`` may be tuples or dicts of arrays.
 
     Shuffling reshuffles every epoch and follows TensorFlow's global seed
     (``keras.utils.set_random_seed``) and ``seed``; processes that share both
@@ -307,7 +307,7 @@ def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
     examples = (x, y) if sample_weight is None else (x, y, sample_weight)
     dataset = tf.data.Dataset.from_tensor_slices(examples).cache()
     if shuffle:
-        dataset = dataset.shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+        dataset = dataset.shuffle(len(tf.nest.flatten(x)[0]), seed=seed, reshuffle_each_iteration=True)
     return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
 
 

@@ -113,8 +113,32 @@ def _data_identity(labels):
     which a changed split, seed or source alters."""
     if isinstance(labels, tf.data.Dataset):
         return f"tf.data.Dataset of {int(labels.cardinality())} batches"
-    labels = np.ascontiguousarray(labels)
-    return f"{len(labels)} examples, labels {hashlib.sha1(labels.tobytes()).hexdigest()[:12]}"
+    leaves = [np.ascontiguousarray(leaf) for leaf in tf.nest.flatten(_arrays(labels))]
+    digest = hashlib.sha1(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()[:12]
+    return f"{len(leaves[0])} examples, labels {digest}"
+
+
+def _arrays(data):
+    """``data`` as numpy arrays: an array-like, or a list, tuple or dict of them (a model's several inputs or
+    outputs, as Keras takes them), lists made tuples for ``tf.data``.
+
+    >>> [a.shape for a in _arrays([np.zeros((3, 2)), np.ones(3)])], _arrays([1, 2, 3]).shape
+    ([(3, 2), (3,)], (3,))
+    """
+    if isinstance(data, dict):
+        return {key: _arrays(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)) and data and all(np.ndim(part) >= 1 for part in data):
+        return tuple(_arrays(part) for part in data)
+    return np.asarray(data)
+
+
+def _examples(*structures):
+    """The number of examples of each structure of arrays, refused unless they agree."""
+    counts = {name: {len(leaf) for leaf in tf.nest.flatten(data)} for name, data in structures}
+    if len(set().union(*counts.values())) != 1:
+        raise ValueError("x, y and sample_weight must hold the same number of examples. Received: "
+                         + ", ".join(f"len({name})={'/'.join(map(str, sorted(n)))}" for name, n in counts.items()))
+    return next(iter(counts[structures[0][0]]))
 
 
 def _run_record(model, strategy, batch_size, precision, data):
@@ -186,28 +210,30 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
             validation, validation_steps = _repeated(validation_data, strategy.steps_per_execution)
         steps = {"steps_per_epoch": steps, "validation_steps": validation_steps}
         return train, validation, {k: v for k, v in steps.items() if v is not None}, None
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = _arrays(x), _arrays(y)
     weights = None if sample_weight is None else np.asarray(sample_weight, np.float32)
-    if len(x) != len(y) or (weights is not None and len(weights) != len(x)):
-        raise ValueError(f"x, y and sample_weight must hold the same number of examples. Received: len(x)={len(x)}, "
-                         f"len(y)={len(y)}" + ("" if weights is None else f", len(sample_weight)={len(weights)}"))
+    examples = _examples(("x", x), ("y", y), *([] if weights is None else [("sample_weight", weights)]))
     if validation_split:
         if validation_data is not None:
             raise ValueError("give validation_data or validation_split, not both. "
                              f"Received: validation_split={validation_split}")
-        cut = int(len(x) * (1.0 - validation_split))
-        validation_data = (x[cut:], y[cut:]) + (() if weights is None else (weights[cut:],))
-        x, y, weights = x[:cut], y[:cut], None if weights is None else weights[:cut]
+        cut = int(examples * (1.0 - validation_split))
+        validation_data = tf.nest.map_structure(lambda a: a[cut:], (x, y) if weights is None else (x, y, weights))
+        x, y = tf.nest.map_structure(lambda a: a[:cut], (x, y))
+        weights = None if weights is None else weights[:cut]
     if class_weight:  # for training only, as Keras's fit applies it
+        if len(tf.nest.flatten(y)) > 1:
+            raise ValueError(f"class_weight is for a model with one output; give sample_weight instead. Received: "
+                             f"y with {len(tf.nest.flatten(y))} outputs")
         weights = data_lib.class_sample_weights(y, class_weight).numpy()
     train, steps = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate, strategy.steps_per_execution,
                                   shuffle=bool(shuffle), seed=strategy.shuffle_seed)
     steps = {"steps_per_epoch": steps}
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        arrays = [np.asarray(a) for a in validation_data] + [None]
+        arrays = [_arrays(a) for a in validation_data] + [None]
         validation, steps["validation_steps"] = _epoch_dataset(arrays[:3], batch_size, strategy.steps_per_execution)
-    return train, validation, {k: v for k, v in steps.items() if v is not None}, len(x)
+    return train, validation, {k: v for k, v in steps.items() if v is not None}, len(tf.nest.flatten(x)[0])
 
 
 def _repeated(dataset, steps_per_execution):
@@ -238,7 +264,7 @@ def _epoch_dataset(examples, batch_size, steps_per_execution, *, shuffle=False, 
     """
     x, y, sample_weight = examples
     dataset = data_lib.pipeline(x, y, batch_size, sample_weight=sample_weight, shuffle=shuffle, seed=seed)
-    steps = math.ceil(len(x) / batch_size)
+    steps = math.ceil(len(tf.nest.flatten(x)[0]) / batch_size)
     if steps % steps_per_execution:
         return dataset, None
     return dataset.repeat(), steps

@@ -388,7 +388,8 @@ class _AsyncLoop:
             _add_metrics(model, x, y, y_pred)
             with tf.control_dependencies(gradients):
                 staleness = applied.assign_add(1) - 1 - seen
-            return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(tf.shape(y)[0], loss.dtype)])
+            examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
+            return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
 
         @tf.function
         def steps(iterator, first, size):

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_cnnpar import arguments, graph
 from keras_cnnpar import devices as device_lib
+from keras_cnnpar.accumulation import split_batch
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import Strategy, register
 
@@ -249,12 +250,12 @@ class _MicroBatched(keras.Model):
     def __init__(self, inner, microbatches):
         super().__init__(name=inner.name)
         self.inner, self.microbatches = inner, microbatches
+        if hasattr(inner, "output_names"):  # Keras names each output's loss and metrics by them, as for ``inner``
+            self.output_names = inner.output_names
 
     def call(self, inputs, training=False):
-        size = tf.shape(inputs)[0]
-        bounds = [size * i // self.microbatches for i in range(self.microbatches + 1)]
-        return tf.concat([self.inner(inputs[bounds[i]:bounds[i + 1]], training=training)
-                          for i in range(self.microbatches)], axis=0)
+        outputs = [self.inner(part, training=training) for part in split_batch(inputs, self.microbatches)]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
 
 
 class StageTimes(keras.callbacks.Callback):
