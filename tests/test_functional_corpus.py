@@ -67,11 +67,11 @@ def normalized_images(x):
 def subtracted(x):
     """A strided 5x5 convolution, BN without scale, a ``Subtract`` of a 1x1 convolution, same-padded average
     pooling after the merge (a 3x3 window with stride 2: the windows on the edge hold 6 of the image's values),
-    a valid convolution, LeakyReLU, Flatten into two Dense layers."""
+    a valid convolution, LeakyReLU, uneven cropping, Flatten into two Dense layers."""
     x = L.Conv2D(16, 5, strides=2, padding="same", activation="relu")(x)
     x = L.BatchNormalization(scale=False)(L.Conv2D(16, 3, padding="same", use_bias=False)(x))
     x = L.AveragePooling2D(3, strides=2, padding="same")(L.Subtract()([x, L.Conv2D(16, 1, use_bias=False)(x)]))
-    x = L.LeakyReLU()(L.Conv2D(8, 3)(x))
+    x = L.Cropping2D(((1, 0), (0, 1)))(L.LeakyReLU()(L.Conv2D(8, 3)(x)))
     return L.Dense(10)(L.Dense(16, activation="relu")(L.Flatten()(x)))
 
 

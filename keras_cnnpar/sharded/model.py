@@ -72,7 +72,7 @@ from keras_cnnpar.sharded.layers import (
 #: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
-             "GlobalMaxPooling2D", "ZeroPadding2D", "Flatten", "Dropout", *ELEMENTWISE, "Add", "Subtract",
+             "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "Flatten", "Dropout", *ELEMENTWISE, "Add", "Subtract",
              "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
@@ -135,6 +135,18 @@ class Padding(tf.Module):
 
     def __call__(self, x, training=False):
         return tf.pad(x, self.padding)
+
+
+class Cropping(tf.Module):
+    """``Cropping2D``: a slice of the rows and columns, whatever the channels' or the batch's layout."""
+
+    def __init__(self, layer):
+        super().__init__(name=layer.name)
+        (self.top, self.bottom), (self.left, self.right) = layer.cropping
+
+    def __call__(self, x, training=False):
+        height, width = x.shape[1:3]
+        return x[:, self.top:height - self.bottom, self.left:width - self.right, :]
 
 
 class Flatten(tf.Module):
@@ -421,6 +433,8 @@ class ShardedModel(tf.Module):
             return GlobalPooling(layer)
         if kind == "ZeroPadding2D":
             return Padding(layer)
+        if kind == "Cropping2D":
+            return Cropping(layer)
         if kind == "Flatten":
             return Flatten(layer)
         if kind == "Dropout":
