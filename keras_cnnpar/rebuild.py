@@ -24,7 +24,7 @@ from keras_cnnpar import fused, graph
 
 
 def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=keras.models.clone_model,
-            precision="float32", fused_optimizer=False):
+            precision="float32", fused_optimizer=False, jit_compile=None):
     """Return a compiled copy of ``model`` built inside ``scope``, holding its weights and state.
 
     Args:
@@ -35,11 +35,14 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         clone: makes the uncompiled copy; its weights must come in ``model``'s order.
         precision: the Keras dtype policy the copy computes in (see :func:`set_precision`).
         fused_optimizer: apply the copy's updates with TensorFlow's fused kernels (see :mod:`keras_cnnpar.fused`).
+        jit_compile: overrides the compiled value when given.
     """
     config = model.get_compile_config()
     config["optimizer"] = _scaled_optimizer(model.optimizer, lr_factor)
     if steps_per_execution is not None:
         config["steps_per_execution"] = steps_per_execution
+    if jit_compile is not None:
+        config["jit_compile"] = jit_compile
     with scope:
         copy = clone(model)
         set_precision(copy, precision)

@@ -230,6 +230,25 @@ def test_several_inputs_and_outputs_as_arrays_give_keras_s_own_step(few_digits, 
     assert max_weight_difference(model, two_inputs_two_outputs()) > 1e-3  # the step moved the weights
 
 
+@pytest.mark.parametrize("strategy, reason", [
+    ("mirrored", "its replicas are logical devices of one CPU, and XLA compiles a step for one device (a variable of "
+                 "another replica is an error there)"),
+    ("layers", "its stages run on different devices, and XLA compiles a step for one device")])
+def test_jit_compile_where_xla_cannot_compile_the_step_is_turned_off_with_a_warning(few_digits, strategy, reason):
+    """XLA failed the first step ("Trying to access resource ... located in device CPU:1 from device CPU:0")."""
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    single, parallel = (build_small_cnn() for _ in range(2))
+    for model in (single, parallel):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", jit_compile=True)
+    one_step(single, x, y, "single")  # XLA compiles Single's step
+    with pytest.warns(UserWarning) as warned:
+        one_step(parallel, x, y, strategy)
+    name = type(strategies.resolve(strategy)).__name__
+    assert f"{name} trains with jit_compile=False: {reason}" in [str(w.message) for w in warned]
+    assert max_weight_difference(single, parallel) < 1e-5
+    assert parallel.jit_compile is True  # the user's model keeps its setting
+
+
 class TrainedState(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.model_trained, self.weights = self.model, self.model.get_weights()

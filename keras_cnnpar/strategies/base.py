@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import inspect
 import types
+import warnings
 from pathlib import Path
 
 import keras
@@ -219,6 +220,10 @@ class Strategy(metaclass=_Configuration):
         tf_strategy = self._tf_strategy()
         return tf_strategy.scope() if tf_strategy is not None else contextlib.nullcontext()
 
+    def xla_refusal(self):
+        """Why a step of this strategy cannot be compiled by XLA (``jit_compile=True``), or None when it can."""
+        return None
+
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
         return arguments.SCALE_LR[self.scale_lr](self.num_replicas)
@@ -237,9 +242,12 @@ class Strategy(metaclass=_Configuration):
         """The prepared copy of ``model``: built under ``scope()``, with ``settings``' precision and updates."""
         if clone is None:
             clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
+        refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
+        if refusal:
+            warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
         return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                steps_per_execution=self.steps_per_execution, precision=settings.precision,
-                               fused_optimizer=settings.fused_optimizer,
+                               fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
                                clone=accumulation.wrap(clone, self.accumulate))
 
     def distribute(self, dataset):

@@ -73,6 +73,12 @@ class DataParallel(Strategy):
     def _tf_strategy(self):
         return _mirrored_strategy(tuple(device_lib.resolve(self.devices)))
 
+    def xla_refusal(self):
+        if all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in device_lib.resolve(self.devices)):
+            return ("its replicas are logical devices of one CPU, and XLA compiles a step for one device (a variable "
+                    "of another replica is an error there)")
+        return None
+
 
 @functools.cache
 def _mirrored_strategy(devices):

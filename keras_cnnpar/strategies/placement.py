@@ -71,6 +71,9 @@ class LayerPlacement(Strategy):
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
 
+    def xla_refusal(self):
+        return "its stages run on different devices, and XLA compiles a step for one device"
+
     def prepare(self, model, settings=None):
         if not graph.is_graph(model):
             raise TypeError("LayerPlacement cuts the layer graph of a keras.Sequential or functional model into "
