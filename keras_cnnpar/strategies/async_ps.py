@@ -371,11 +371,11 @@ class _AsyncLoop:
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
         def one_step(batch):
-            x, y = batch
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             seen = applied.read_value()  # updates applied before this step reads the weights
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, training=True)
+                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
                 scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
             variables = model.trainable_variables
             gradients = tape.gradient(scaled_loss, variables)
@@ -385,7 +385,7 @@ class _AsyncLoop:
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
-            _add_metrics(model, x, y, y_pred)
+            _add_metrics(model, x, y, y_pred, sample_weight)
             with tf.control_dependencies(gradients):
                 staleness = applied.assign_add(1) - 1 - seen
             examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
@@ -403,7 +403,7 @@ class _AsyncLoop:
         return steps
 
 
-def _add_metrics(model, x, y, y_pred):
+def _add_metrics(model, x, y, y_pred, sample_weight=None):
     """Update ``model``'s metrics with one batch; Keras's own metrics by adding what the batch adds to each of
     their variables in one atomic ``assign_add`` of TensorFlow's.
 
@@ -420,7 +420,7 @@ def _add_metrics(model, x, y, y_pred):
     state = [variable for metric in model.metrics for variable in metric.variables]
     start = [tf.zeros(v.shape, v.dtype) if id(v) in additive else v.value for v in state]
     with keras.StatelessScope(state_mapping=list(zip(state, start))) as batch_only:
-        model.compute_metrics(x, y, y_pred)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         updated = [batch_only.get_current_value(variable) for variable in state]
     for variable, value in zip(state, updated):
         if id(variable) in additive:

@@ -60,12 +60,12 @@ def epoch_steps(strategy, train, steps_per_epoch, unsupported, validation_data=N
     name = type(strategy).__name__
     if unsupported:
         raise ValueError(f"{name} does not support the fit arguments {sorted(unsupported)}. Received: {unsupported}")
-    for dataset in (train, validation_data):
+    for dataset in (train, validation_data) if not strategy.takes_sample_weights else ():
         spec = getattr(dataset, "element_spec", ())
         if isinstance(spec, tuple) and len(spec) > 2:
             raise ValueError(f"{name} trains on (x, y) batches; sample weights (sample_weight, class_weight, or "
-                             f"a dataset's third element) are for Single, DataParallel, MultiWorker and "
-                             f"LayerPlacement. Received: batches of {len(spec)} elements")
+                             f"a dataset's third element) are for Single, DataParallel, MultiWorker, "
+                             f"LayerPlacement and AsyncPS. Received: batches of {len(spec)} elements")
     return steps_per_epoch or finite_steps(train, name)
 
 

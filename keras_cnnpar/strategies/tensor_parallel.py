@@ -55,6 +55,7 @@ class ChannelSharded(Strategy):
     """
 
     description = "Conv2D/Dense kernels sharded over --devices with DTensor (tensor parallel)"
+    takes_sample_weights = False  # the mesh step computes an unweighted loss
     min_devices = 2
     mesh_axes = ("model",)
     sync_batchnorm = True  # every device sees the whole batch
