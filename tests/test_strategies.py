@@ -131,12 +131,13 @@ WEIGHTS = {"sample_weight": {"sample_weight": np.linspace(0.2, 1.8, 64, dtype=np
 
 
 @pytest.mark.parametrize("strategy, weights", [
-    *[(strategy, weights) for strategy in ("single", "mirrored", "layers") for weights in sorted(WEIGHTS)],
+    *[(strategy, weights) for strategy in ("single", "mirrored", "layers", "channels", "hybrid")
+      for weights in sorted(WEIGHTS)],
     ("async-ps", "class_weight")])  # its coordinator process: one run (the weights reach it the same way)
 def test_sample_and_class_weights_give_keras_s_own_step(few_digits, strategy, weights):
     """They went to Keras's ``fit`` beside the dataset made of the arrays, which Keras refuses for sample weights
-    (under Single too) and cannot map for class weights on MirroredStrategy's distributed dataset; AsyncPS's
-    loop refused them. (One step of AsyncPS falls in its warm-up, where nothing is stale.)"""
+    (under Single too) and cannot map for class weights on MirroredStrategy's distributed dataset; the loops of
+    AsyncPS and the mesh refused them. (One step of AsyncPS falls in its warm-up, where nothing is stale.)"""
     x, y = few_digits[0][:64], few_digits[1][:64]
     keras_model, model = build_small_cnn(), build_small_cnn()
     expected = keras_model.fit(x, y, batch_size=64, shuffle=False, verbose=0, **WEIGHTS[weights]).history["loss"]
@@ -145,19 +146,6 @@ def test_sample_and_class_weights_give_keras_s_own_step(few_digits, strategy, we
     assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
     assert max_weight_difference(model, keras_model) < 1e-5
     assert max_weight_difference(model, build_small_cnn()) > 1e-3  # the step moved the weights
-
-
-@pytest.mark.parametrize("strategy", ["channels", "hybrid"])
-def test_sample_weights_under_a_tensor_parallel_loop_are_refused_by_name(few_digits, strategy):
-    x, y = few_digits[0][:64], few_digits[1][:64]
-    with pytest.raises(ValueError) as raised:
-        cnnpar.fit(build_small_cnn(), x, y, strategy=strategy, batch_size=64, verbose=0, results_dir=None,
-                   class_weight=dict.fromkeys(range(10), 1.0))
-    name = type(cnnpar.strategies.resolve(strategy)).__name__
-    assert str(raised.value) == (
-        f"{name} trains on (x, y) batches; sample weights (sample_weight, class_weight, or a dataset's third "
-        f"element) are for Single, DataParallel, MultiWorker, LayerPlacement and AsyncPS. Received: batches of 3 "
-        f"elements")
 
 
 class Batches(keras.utils.PyDataset):

@@ -89,7 +89,7 @@ class CoordinatorProcessRun(Run):
 
     def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
-        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported, validation_data)
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         if validation_data is not None:
             validation_steps = validation_steps or loop.finite_steps(validation_data, "validation")
             validation_data.take(validation_steps).save(str(self.folder / "validation"))

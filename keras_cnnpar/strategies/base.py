@@ -180,8 +180,6 @@ class Strategy(metaclass=_Configuration):
     batch_hooks = None
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
-    #: Whether training takes batches with sample weights, ``(x, y, sample_weight)``.
-    takes_sample_weights = True
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)

@@ -51,21 +51,14 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
     return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
 
 
-def epoch_steps(strategy, train, steps_per_epoch, unsupported, validation_data=None):
-    """The set-up every custom loop shares: refuse ``fit`` arguments it does not take and batches with sample
-    weights, and count an epoch's steps.
+def epoch_steps(strategy, train, steps_per_epoch, unsupported):
+    """The set-up every custom loop shares: refuse ``fit`` arguments it does not take, and count an epoch's steps.
 
     Returns ``steps_per_epoch``, or the number of batches of the finite dataset ``train``.
     """
     name = type(strategy).__name__
     if unsupported:
         raise ValueError(f"{name} does not support the fit arguments {sorted(unsupported)}. Received: {unsupported}")
-    for dataset in (train, validation_data) if not strategy.takes_sample_weights else ():
-        spec = getattr(dataset, "element_spec", ())
-        if isinstance(spec, tuple) and len(spec) > 2:
-            raise ValueError(f"{name} trains on (x, y) batches; sample weights (sample_weight, class_weight, or "
-                             f"a dataset's third element) are for Single, DataParallel, MultiWorker, "
-                             f"LayerPlacement and AsyncPS. Received: batches of {len(spec)} elements")
     return steps_per_epoch or finite_steps(train, name)
 
 

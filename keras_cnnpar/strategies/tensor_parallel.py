@@ -1,5 +1,6 @@
 """Tensor parallel on DTensor meshes: ``ChannelSharded`` (channels over devices) and ``Hybrid`` (batch x channels)."""
 
+import functools
 import math
 import os
 import typing
@@ -55,7 +56,6 @@ class ChannelSharded(Strategy):
     """
 
     description = "Conv2D/Dense kernels sharded over --devices with DTensor (tensor parallel)"
-    takes_sample_weights = False  # the mesh step computes an unweighted loss
     min_devices = 2
     mesh_axes = ("model",)
     sync_batchnorm = True  # every device sees the whole batch
@@ -133,15 +133,15 @@ class MeshRun(base.Run):
     def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
             steps_per_epoch=None, validation_steps=None, **unsupported):
         prepared = self.model
-        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported, validation_data)
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
         train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
         update_metrics = _metrics_update(prepared)
 
         def train_epoch(epoch, callback_list):
             learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
-            logs = _run_batches(prepared, update_metrics, batches, steps, lambda x, y: train_step(x, y, learning_rate),
-                                self.sharded.mesh, callback_list)
+            step = functools.partial(train_step, learning_rate=learning_rate)
+            logs = _run_batches(prepared, update_metrics, batches, steps, step, self.sharded.mesh, callback_list)
             self._sync()
             return logs
 
@@ -221,34 +221,43 @@ class Hybrid(ChannelSharded):
 
 
 def _weighted_loss(model):
-    """The compiled loss of ``model`` (one output), times its ``loss_weights`` when given, as Keras computes it.
+    """The compiled loss of ``model`` (one output) as ``loss(y_true, y_pred, sample_weight=None)``, reduced as Keras
+    reduces it (the weighted losses summed over the batch size), times its ``loss_weights`` when given.
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(loss="mse", loss_weights=[0.5])
-    >>> float(_weighted_loss(model)(np.ones((1, 1)), np.zeros((1, 1)))[0])  # the error of one example, halved
-    0.5
+    >>> float(_weighted_loss(model)(np.ones((2, 1)), np.zeros((2, 1)), sample_weight=np.array([1.0, 0.0])))
+    0.25
     """
     loss, weight = keras.losses.get(model.loss), model.get_compile_config().get("loss_weights")
-    if weight is None:
-        return loss
-    (weight,) = weight.values() if isinstance(weight, dict) else np.atleast_1d(weight)  # one output: one weight
-    return lambda y_true, y_pred: float(weight) * loss(y_true, y_pred)
+    (weight,) = [1.0] if weight is None else weight.values() if isinstance(weight, dict) else np.atleast_1d(weight)
+
+    def weighted(y_true, y_pred, sample_weight=None):
+        if isinstance(loss, keras.losses.Loss):  # it reduces, and takes the weights itself
+            return float(weight) * loss(y_true, y_pred, sample_weight=sample_weight)
+        values = loss(y_true, y_pred)
+        if sample_weight is not None:
+            values = values * tf.cast(sample_weight, values.dtype)
+        return float(weight) * tf.reduce_mean(values)
+
+    return weighted
 
 
 def _steps(sharded, optimizer, loss_fn):
     """The training and test steps, each one ``tf.function`` on the mesh; both return (loss, predictions)."""
     mesh = sharded.mesh
 
-    def loss_and_predictions(x, y, training):
+    def loss_and_predictions(x, y, sample_weight, training):
         y_pred, regularization = sharded.call_with_losses(x, training=training)
-        y = dtensor.relayout(y, activation_layout(mesh, y.shape))
-        loss = tf.reduce_mean(loss_fn(y, y_pred))
+        y, sample_weight = (None if t is None else dtensor.relayout(t, activation_layout(mesh, t.shape))
+                            for t in (y, sample_weight))
+        loss = loss_fn(y, y_pred, sample_weight=sample_weight)
         return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), y_pred
 
     @tf.function
-    def train_step(x, y, learning_rate):
+    def train_step(x, y, sample_weight, learning_rate):
         with tf.GradientTape() as tape:
-            loss, y_pred = loss_and_predictions(x, y, True)
+            loss, y_pred = loss_and_predictions(x, y, sample_weight, True)
         # Laid out like their variables, the gradients are all-reduced over "batch" before the update reads them.
         variables = sharded.trainable_weights
         gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, variables), variables)]
@@ -256,8 +265,8 @@ def _steps(sharded, optimizer, loss_fn):
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
     @tf.function
-    def test_step(x, y):
-        loss, y_pred = loss_and_predictions(x, y, False)
+    def test_step(x, y, sample_weight):
+        loss, y_pred = loss_and_predictions(x, y, sample_weight, False)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
     return train_step, test_step
@@ -279,12 +288,13 @@ def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_lis
         return {**{k: float(v) for k, v in model.get_metrics_result().items()}, "loss": total / count}
 
     for index in range(steps):
-        x, y = next(batches)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(batches))
         if per_batch:
             callback_list.on_train_batch_begin(index)
-        loss, y_pred = step(*(to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape))) for a in (x, y)))
+        loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape)))
+                              for a in (x, y, sample_weight)))
         total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
-        update_metrics(x, y, dtensor.unpack(y_pred)[0])
+        update_metrics(x, y, dtensor.unpack(y_pred)[0], sample_weight)
         if per_batch:
             callback_list.on_train_batch_end(index, logs())
     return logs()
@@ -294,8 +304,8 @@ def _metrics_update(model):
     """``model.compute_metrics`` as one traced function (run eagerly, it cost a few ms a step)."""
 
     @tf.function
-    def update(x, y, y_pred):
-        model.compute_metrics(x, y, y_pred)
+    def update(x, y, y_pred, sample_weight=None):
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return update
 
