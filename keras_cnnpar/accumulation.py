@@ -24,14 +24,23 @@ import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 
-class Accumulating(keras.Model):
+class Wrapper(keras.Model):
+    """A model that runs ``inner`` its own way (``graph.unwrap`` sees through it), under ``inner``'s name, and
+    whose compiled losses and metrics Keras names after ``inner``'s outputs, as it names ``inner``'s."""
+
+    def __init__(self, inner):
+        super().__init__(name=inner.name)
+        self.inner = inner
+        if hasattr(inner, "output_names"):
+            self.output_names = inner.output_names
+
+
+class Accumulating(Wrapper):
     """Trains ``inner`` with the mean gradient of ``micro_batches`` slices of each batch, applied once."""
 
     def __init__(self, inner, micro_batches):
-        super().__init__(name=inner.name)
-        self.inner, self.micro_batches = inner, micro_batches
-        if hasattr(inner, "output_names"):  # Keras names each output's loss and metrics by them, as for ``inner``
-            self.output_names = inner.output_names
+        super().__init__(inner)
+        self.micro_batches = micro_batches
 
     def call(self, inputs, training=False):
         return self.inner(inputs, training=training)

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from keras_cnnpar import arguments, graph
 from keras_cnnpar import devices as device_lib
-from keras_cnnpar.accumulation import split_batch
+from keras_cnnpar.accumulation import Wrapper, split_batch
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import Strategy, register
 
@@ -242,7 +242,7 @@ def _on_device(method, device):
     return run
 
 
-class _MicroBatched(keras.Model):
+class _MicroBatched(Wrapper):
     """Runs ``inner`` on ``microbatches`` slices of each batch and joins the outputs.
 
     Each slice's chain of stages is independent of the others', so TensorFlow's
@@ -251,10 +251,8 @@ class _MicroBatched(keras.Model):
     """
 
     def __init__(self, inner, microbatches):
-        super().__init__(name=inner.name)
-        self.inner, self.microbatches = inner, microbatches
-        if hasattr(inner, "output_names"):  # Keras names each output's loss and metrics by them, as for ``inner``
-            self.output_names = inner.output_names
+        super().__init__(inner)
+        self.microbatches = microbatches
 
     def call(self, inputs, training=False):
         outputs = [self.inner(part, training=training) for part in split_batch(inputs, self.microbatches)]
