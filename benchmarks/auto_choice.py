@@ -22,8 +22,13 @@ TARGET = 0.9
 
 def main():
     args = parse_args(__doc__)
-    os.environ["CNNPAR_CACHE"] = tempfile.mkdtemp(prefix="cnnpar-plan-cache-")
-    train = training_split()
+    with tempfile.TemporaryDirectory(prefix="cnnpar-plan-cache-") as cache:
+        os.environ["CNNPAR_CACHE"] = cache
+        compare(args, training_split())
+
+
+def compare(args, train):
+    """Plan and train each model kind; print the plan and the separate run's ratio to it."""
     for kind in ("2+2", "3+3", "resnet"):
         started = time.perf_counter()
         strategy, plan = planner.choose(cnnpar.models.cnn(kind), train.x, train.y, batch_size=64, devices=2,

@@ -7,6 +7,7 @@ worker fails. Inside the namespace the workers are started by this module's
 entry point, ``python -m keras_cnnpar.local_workers --workers N -- COMMAND``.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import click
 
@@ -106,9 +106,9 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
     Each process gets its own ``TF_CONFIG`` and its share of the cores for
     TensorFlow's thread pools (environment variables already set win), and
     dies with this process. The chief's output goes to this process's stdout
-    and stderr as it comes; the other workers' goes to temporary files that
-    are removed at the end, and a failing worker's last lines are in the
-    error. When one worker fails the others are killed, except after a
+    and stderr as it comes; the other workers' goes to unnamed temporary files
+    (nothing is left on disk, even when this process is killed outright), and
+    a failing worker's last lines are in the error. When one worker fails the others are killed, except after a
     preemption: then they get ``preemption_grace_seconds`` to finish their
     checkpoint. A SIGTERM or SIGINT sent here is passed on to the workers as
     SIGTERM, so they save a preemption checkpoint and stop; a second SIGINT
@@ -116,12 +116,13 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
     process is gone.
     """
     spec = local_spec(workers)
-    with tempfile.TemporaryDirectory(prefix="cnnpar-workers-") as logs:
+    with contextlib.ExitStack() as stack:
+        logs = [None] + [stack.enter_context(tempfile.TemporaryFile()) for _ in range(1, workers)]
         processes = []
         forward = _forward_signals(processes)
         try:
             for index in range(workers):
-                processes.append(_start_worker(command, Task(spec, "worker", index), logs, env))
+                processes.append(_start_worker(command, Task(spec, "worker", index), logs[index], env))
             failed = _wait_for_failure(processes, poll_seconds, parent)
             if failed is not None and processes[failed].returncode == PREEMPTED_EXIT_CODE:
                 _wait_all(processes, preemption_grace_seconds)
@@ -132,19 +133,15 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
                     process.kill()
                 process.wait()
         if failed is not None:
-            raise WorkerFailed(failed, processes[failed].returncode, _tail(Path(logs) / f"worker{failed}.log"))
+            raise WorkerFailed(failed, processes[failed].returncode, _tail(logs[failed]))
 
 
-def _start_worker(command, task, logs, extra_env=None):
+def _start_worker(command, task, log, extra_env=None):
+    """Start one worker; its output goes to ``log`` (a binary file), or to this process's own where None."""
     env = {**_thread_share(task.num_workers), **os.environ, **(extra_env or {}),
            "TF_CONFIG": json.dumps(task.tf_config())}
-    output = None if task.is_chief else open(Path(logs) / f"worker{task.index}.log", "wb")  # noqa: SIM115
-    try:
-        return subprocess.Popen(dying_with_parent(command), env=env, stdout=output,
-                                stderr=subprocess.STDOUT if output else None, start_new_session=True)
-    finally:
-        if output:
-            output.close()
+    return subprocess.Popen(dying_with_parent(command), env=env, stdout=log,
+                            stderr=subprocess.STDOUT if log else None, start_new_session=True)
 
 
 def _thread_share(workers):
@@ -206,10 +203,12 @@ class _forward_signals:
             signal.signal(sig, handler)
 
 
-def _tail(path, lines=20):
-    if not path.exists():
+def _tail(log, lines=20):
+    """The last ``lines`` lines written to the binary file ``log`` ("" for None: the chief's went to stdout)."""
+    if log is None:
         return ""
-    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    log.seek(0)
+    return "\n".join(log.read().decode("utf-8", errors="replace").splitlines()[-lines:])
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

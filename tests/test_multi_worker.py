@@ -330,19 +330,26 @@ def test_bad_cluster_settings_exit_2_before_training(monkeypatch, tmp_path, args
 
 
 @contextlib.contextmanager
-def training_workers(tmp_path, small_csv):
+def training_workers(tmp_path, small_csv, env=ENV):
     """A launcher of 2 local workers with a long run ahead, once their first epoch is done; and their pids."""
     command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
-    with processes([command], tmp_path, [ENV]) as (launcher,):
+    with processes([command], tmp_path, [env]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
         yield launcher, [worker_pid(launcher, index) for index in (0, 1)]
 
 
-def test_no_worker_outlives_a_launcher_killed_outright(tmp_path, small_csv):
-    with training_workers(tmp_path, small_csv) as (launcher, workers):
-        os.kill(launcher.pid, signal.SIGKILL)
+@pytest.mark.parametrize("target", ["launcher", "supervisor"])
+def test_no_worker_outlives_a_launcher_or_supervisor_killed_outright_and_no_file_is_left(tmp_path, small_csv,
+                                                                                         target):
+    """The supervisor is the process that started the workers (inside the launcher's network namespace)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    with training_workers(tmp_path, small_csv, {**ENV, "TMPDIR": str(temp)}) as (launcher, workers):
+        supervisor = int(Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        os.kill(launcher.pid if target == "launcher" else supervisor, signal.SIGKILL)
         left = still_alive_after(workers)
-        assert left == [], f"workers {left} outlived their launcher"
+        assert left == [], f"workers {left} outlived their {target}"
+    assert list(temp.iterdir()) == []  # worker 1's output went to an unnamed file
 
 
 def test_a_closed_terminal_preempts_the_workers_as_sigterm_does(tmp_path, small_csv):
