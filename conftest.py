@@ -6,6 +6,9 @@ code uses the first one.
 """
 
 import os
+import tempfile
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Every process the suite starts inherits this mark; tests/conftest.py fails the session if one outlives it.
@@ -21,8 +24,14 @@ SLOW_DOCTESTS = ("keras_cnnpar/serving.py",)
 
 
 def pytest_collection_modifyitems(items):
-    import pytest
-
     for item in items:
         if item.nodeid.startswith(SLOW_DOCTESTS):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def doctest_folders_in_pytest_s(request, monkeypatch, tmp_path_factory):
+    """A doctest's ``tempfile.mkdtemp()`` (an example's folder, as a user writes it) goes to a folder of
+    pytest's, which pytest removes in time, not to the machine's temporary folder."""
+    if request.node.nodeid.startswith("keras_cnnpar/"):
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("doctest")))
