@@ -211,6 +211,29 @@ def test_a_functional_chain_is_sharded_like_its_sequential_twin(strategy, few_di
     assert max_weight_difference(single, sharded) < 1e-4
 
 
+def dotted_cnn():
+    """Names that are no Python identifiers, as Keras allows: ``keras.applications.MobileNetV2`` names itself
+    ``mobilenetv2_1.00_224`` (sharding it failed on that name before naming its DepthwiseConv2D)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    x = keras.layers.Conv2D(8, 3, activation="relu", name="conv.1")(inputs)
+    x = keras.layers.MaxPooling2D(name="2-pool")(x)
+    x = keras.layers.Flatten(name="flat-10")(x)
+    outputs = keras.layers.Dense(10, activation="softmax", name="out.v1")(x)
+    model = keras.Model(inputs, outputs, name="cnn_1.00_28")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_layers_and_models_named_as_keras_allows_are_sharded(few_digits):
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    single, sharded = dotted_cnn(), dotted_cnn()
+    cnnpar.fit(single, x, y, strategy="single", batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    cnnpar.fit(sharded, x, y, strategy="channels", batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    assert max_weight_difference(single, dotted_cnn()) > 1e-3
+    assert max_weight_difference(single, sharded) < 1e-4
+
+
 def branching_cnn(seed=0):
     """A functional CNN with the other graph layers: rescaling, a strided 1x1 convolution, a concatenation, a
     subtraction of a whole tensor from a sharded one, global average pooling (no batch statistics). The comments

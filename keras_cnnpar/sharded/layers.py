@@ -41,6 +41,7 @@ True
 """
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -90,6 +91,17 @@ def divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def module_name(keras_name):
+    """A ``tf.Module`` name for a Keras layer's or model's name, which may hold characters (a dot, a dash) that
+    a module's may not (``keras.applications.MobileNetV2`` names itself ``mobilenetv2_1.00_224``).
+
+    >>> module_name("mobilenetv2_1.00_224"), module_name("2nd-conv"), module_name("conv")
+    ('mobilenetv2_1_00_224', '_2nd_conv', 'conv')
+    """
+    name = re.sub(r"\W", "_", keras_name)
+    return name if name.isidentifier() else f"_{name}"
+
+
 class WeightedModule(tf.Module):
     """A module whose weights are DVariables that mirror a Keras layer's: its order, shapes and trainable flags."""
 
@@ -97,7 +109,7 @@ class WeightedModule(tf.Module):
     variables_in_order, trainable_count = (), 0
 
     def __init__(self, layer):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order; None where a
         #: weight has none or is not trainable (Keras regularizes trainable weights only).
         self.regularizers = tuple(w.regularizer if w.trainable else None for w in layer.weights)

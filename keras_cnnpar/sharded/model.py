@@ -63,6 +63,7 @@ from keras_cnnpar.sharded.layers import (
     ShardedLayer,
     WeightedModule,
     activation_layout,
+    module_name,
     same_padding,
     to_mesh,
     to_numpy,
@@ -91,7 +92,7 @@ class Pooling(tf.Module):
     """
 
     def __init__(self, layer, mesh, channels_sharded):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.window, self.strides = tuple(layer.pool_size), tuple(layer.strides)
         self.padding = layer.padding
         self.max = isinstance(layer, keras.layers.MaxPooling2D)
@@ -130,7 +131,7 @@ class Padding(tf.Module):
     """``ZeroPadding2D``."""
 
     def __init__(self, layer):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.padding = [[0, 0], *map(list, layer.padding), [0, 0]]
 
     def __call__(self, x, training=False):
@@ -141,7 +142,7 @@ class Cropping(tf.Module):
     """``Cropping2D``: a slice of the rows and columns, whatever the channels' or the batch's layout."""
 
     def __init__(self, layer):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         (self.top, self.bottom), (self.left, self.right) = layer.cropping
 
     def __call__(self, x, training=False):
@@ -153,7 +154,7 @@ class Flatten(tf.Module):
     """``Flatten`` of whole channels (a reshape); a ``Flatten`` of sharded channels is folded into the next Dense."""
 
     def __init__(self, layer):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
 
     def __call__(self, x, training=False):
         return tf.reshape(x, [-1, math.prod(x.shape[1:])])
@@ -163,7 +164,7 @@ class Dropout(tf.Module):
     """``Dropout`` with a stateless random mask, seeded by the training step and the layer's position."""
 
     def __init__(self, layer, step, index):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.rate, self.step, self.index = layer.rate, step, index
 
     def __call__(self, x, training=False):
@@ -178,7 +179,7 @@ class Elementwise(tf.Module):
     """An activation layer; ``Softmax`` gathers sharded channels first (a batch split has them whole)."""
 
     def __init__(self, layer, mesh, batch_split=False):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.layer, self.mesh, self.batch_split = layer, mesh, batch_split
         self.mixing = mixes_channels(layer)
 
@@ -198,7 +199,7 @@ class Merge(tf.Module):
         "Maximum": lambda xs: functools.reduce(tf.maximum, xs), "Minimum": lambda xs: functools.reduce(tf.minimum, xs)}
 
     def __init__(self, layer, mesh, channels_sharded, batch_split=False):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.function, self.mesh = self.FUNCTIONS[type(layer).__name__], mesh
         self.sharded, self.batch_split = channels_sharded, batch_split
 
@@ -212,7 +213,7 @@ class Concatenate(tf.Module):
     every input is split over the batch (whole channels on each device)."""
 
     def __init__(self, layer, mesh, batch_split=False):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         rank = len(layer.output.shape)
         if layer.axis % rank != rank - 1:
             raise ValueError(f"channel sharding concatenates on the channel (last) axis only; layer {layer.name!r} "
@@ -228,7 +229,7 @@ class GlobalPooling(tf.Module):
     """``GlobalAveragePooling2D`` or ``GlobalMaxPooling2D``: a mean or maximum over the spatial axes."""
 
     def __init__(self, layer):
-        super().__init__(name=layer.name)
+        super().__init__(name=module_name(layer.name))
         self.reduce = tf.reduce_max if isinstance(layer, keras.layers.GlobalMaxPooling2D) else tf.reduce_mean
         self.keepdims = layer.keepdims
 
@@ -380,7 +381,7 @@ class ShardedModel(tf.Module):
     """
 
     def __init__(self, model, mesh, compute_dtype=None, sync_batchnorm=True):
-        super().__init__(name=model.name)
+        super().__init__(name=module_name(model.name))
         self.mesh, self.sync_batchnorm = mesh, sync_batchnorm
         self.step = dtensor.DVariable(to_mesh(np.int64(0), dtensor.Layout.replicated(mesh, 0)), name="step")
         self.input_key, calls, self.output_key = layer_graph(model)
