@@ -108,12 +108,12 @@ def run_local_workers(command, workers, *, poll_seconds=0.2, preemption_grace_se
     dies with this process. The chief's output goes to this process's stdout
     and stderr as it comes; the other workers' goes to unnamed temporary files
     (nothing is left on disk, even when this process is killed outright), and
-    a failing worker's last lines are in the error. When one worker fails the others are killed, except after a
-    preemption: then they get ``preemption_grace_seconds`` to finish their
-    checkpoint. A SIGTERM or SIGINT sent here is passed on to the workers as
-    SIGTERM, so they save a preemption checkpoint and stop; a second SIGINT
-    kills them. With ``parent``, the workers are killed as soon as that
-    process is gone.
+    a failing worker's last lines are in the error. When one worker fails the
+    others are killed, except after a preemption: then they get
+    ``preemption_grace_seconds`` to finish their checkpoint. A SIGTERM or
+    SIGINT sent here is passed on to the workers as SIGTERM, so they save a
+    preemption checkpoint and stop; a second SIGINT kills them. With
+    ``parent``, the workers are killed as soon as that process is gone.
     """
     spec = local_spec(workers)
     with contextlib.ExitStack() as stack:
