@@ -116,8 +116,10 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["launcher", "worker 1"])
-def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
-    """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes)."""
+def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
+    """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes).
+    The launcher gets SIGHUP (a closed terminal), which it passes on as SIGTERM, as it does SIGTERM and
+    SIGINT (one handler for the three); worker 1 gets SIGTERM itself."""
     results = tmp_path / "results"
     # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
@@ -127,7 +129,8 @@ def test_sigterm_checkpoints_every_worker_and_resume_completes_the_remaining_epo
                            *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 3 more (seconds) are to come
-        os.kill(launcher.pid if target == "launcher" else worker_pid(launcher, 1), signal.SIGTERM)
+        os.kill(*((launcher.pid, signal.SIGHUP) if target == "launcher" else (worker_pid(launcher, 1),
+                                                                          signal.SIGTERM)))
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
@@ -350,15 +353,6 @@ def test_no_worker_outlives_a_launcher_or_supervisor_killed_outright_and_no_file
         left = still_alive_after(workers)
         assert left == [], f"workers {left} outlived their {target}"
     assert list(temp.iterdir()) == []  # worker 1's output went to an unnamed file
-
-
-def test_a_closed_terminal_preempts_the_workers_as_sigterm_does(tmp_path, small_csv):
-    with training_workers(tmp_path, small_csv) as (launcher, workers):
-        os.kill(launcher.pid, signal.SIGHUP)
-        output = launcher.communicate(timeout=120)[0]
-    assert launcher.returncode == PREEMPTED, output[-3000:]
-    assert still_alive_after(workers, seconds=0) == []
-    assert (tmp_path / "results" / "checkpoints" / CHECKPOINT / "preemption" / "checkpoint").exists()
 
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "launch_any_script.py"
