@@ -8,6 +8,9 @@
    swapped). The row-mode rule of ``ChannelShardedConv2D.formulation`` comes
    from these; every convolution on ChannelSharded's 1-D mesh now runs in
    column mode, so it serves a ``ChannelShardedConv2D(mode="row")`` built directly.
+   Then ``depthwise_conv`` (``ShardedDepthwiseConv2D``'s: TensorFlow's op with
+   a gradient in ops DTensor has rules for) against ``tf.nn.depthwise_conv2d``
+   and its own gradient ops, at shapes of MobileNetV2's blocks.
 2. Epoch images/s of ``Single``, ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` on
    the 2+2, the 3+3 and the resnet (4,000 mnist-5k digits, global batch 64),
    interleaved in rounds in one process; the step-time ratio to Single is
@@ -24,7 +27,7 @@ import keras
 import tensorflow as tf
 from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
 
-from keras_cnnpar.sharded.layers import conv_as_filter_gradient, conv_as_matmul
+from keras_cnnpar.sharded.layers import conv_as_filter_gradient, conv_as_matmul, depthwise_conv
 
 #: One of two shards of each row-mode convolution: (padded input, kernel) shapes at batch 64.
 CONVS = {"2+2 5x5 16(of 32)->64 at 14x14": ((64, 18, 18, 16), (5, 5, 16, 64)),
@@ -32,6 +35,9 @@ CONVS = {"2+2 5x5 16(of 32)->64 at 14x14": ((64, 18, 18, 16), (5, 5, 16, 64)),
          "resnet 3x3 8(of 16)->16 at 28x28": ((64, 30, 30, 8), (3, 3, 8, 16)),
          "resnet 3x3 16(of 32)->32 at 14x14": ((64, 16, 16, 16), (3, 3, 16, 32)),
          "resnet 3x3 32(of 64)->64 at 7x7": ((64, 9, 9, 32), (3, 3, 32, 64))}
+#: Depthwise 3x3 convolutions with "same" padding at batch 64: input shape and strides.
+DEPTHWISE = {"96 channels at 16x16": ((64, 16, 16, 96), 1), "96 channels at 16x16, stride 2": ((64, 16, 16, 96), 2),
+             "192 channels at 8x8": ((64, 8, 8, 192), 1), "32 channels at 32x32": ((64, 32, 32, 32), 1)}
 STRATEGIES = {"single": cnnpar.Single, "channels(2)": lambda: cnnpar.ChannelSharded(2),
               "hybrid(2x2)": lambda: cnnpar.Hybrid(data=2, model=2)}
 TARGETS = {"channels(2)": 1.5, "hybrid(2x2)": 2.0}
@@ -77,6 +83,14 @@ def main():
         swapped = conv_milliseconds(conv_as_filter_gradient, x, kernel)
         print(f"  {label:36s} tf.nn.conv2d {native:6.1f}   im2col {im2col:6.1f}   filter gradient {swapped:6.1f}   "
               f"best/conv2d {min(im2col, swapped) / native:.2f}x")
+    print("depthwise 3x3 convolution, forward + backward, one device, batch 64 (ms)")
+    for label, (x_shape, stride) in DEPTHWISE.items():
+        x, kernel = tf.random.normal(x_shape), tf.random.normal((3, 3, x_shape[-1], 1))
+        native = conv_milliseconds(lambda x, k, s=stride: tf.nn.depthwise_conv2d(x, k, [1, s, s, 1], "SAME"), x,
+                                   kernel)
+        ours = conv_milliseconds(lambda x, k, s=stride: depthwise_conv(x, k, (s, s), "same"), x, kernel)
+        print(f"  {label:36s} tf.nn.depthwise_conv2d {native:6.1f}   depthwise_conv {ours:6.1f}   "
+              f"{ours / native:.2f}x")
     train = training_split()
     configs = [(kind, name) for kind in ("2+2", "3+3", "resnet") for name in STRATEGIES]
     median = run_rounds(configs, args.rounds, lambda config: measure(config, train, args.epochs))

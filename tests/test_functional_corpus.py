@@ -4,8 +4,9 @@ Each graph puts the supported layers in other positions: BatchNormalization on
 the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
-convolutions; global pooling with and without ``keepdims``; Dense logits
-without a softmax; weight and activity regularizers (in float32). One SGD
+convolutions; depthwise convolutions in MobileNetV2's blocks; global pooling
+with and without ``keepdims``; Dense logits without a softmax; weight and
+activity regularizers (in float32). One SGD
 step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
 weights, BatchNormalization's moving statistics included: within 1e-9 in
 float64 (the same arithmetic, summed in another order) and 1e-4 in float32.
@@ -87,7 +88,20 @@ def dense_block(x):
     return L.Dense(10)(L.Flatten()(L.GlobalAveragePooling2D(keepdims=True)(x)))
 
 
-CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block]
+def inverted_residuals(x):
+    """MobileNetV2's blocks: 1x1 expansions, depthwise convolutions without bias and with (same and valid
+    padding, stride 2, a depth multiplier of 2, a regularizer), ReLU6, a residual Add around a depthwise block,
+    global average pooling, Dense logits."""
+    x = L.ReLU(6.0)(L.BatchNormalization()(L.Conv2D(8, 3, strides=2, padding="same", use_bias=False)(x)))
+    block = L.ReLU(6.0)(L.BatchNormalization()(L.Conv2D(16, 1, use_bias=False)(x)))
+    block = L.ReLU(6.0)(L.BatchNormalization()(L.DepthwiseConv2D(3, padding="same", use_bias=False)(block)))
+    x = L.Add()([x, L.BatchNormalization()(L.Conv2D(8, 1, use_bias=False)(block))])
+    x = L.DepthwiseConv2D(3, strides=2, depth_multiplier=2, activation="relu")(x)
+    x = L.DepthwiseConv2D(3, padding="same", depthwise_regularizer="l2")(L.Conv2D(16, 1)(x))
+    return L.Dense(10)(L.GlobalAveragePooling2D()(x))
+
+
+CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals]
 
 
 @functools.cache
@@ -140,7 +154,8 @@ def test_one_step_of_a_functional_cnn_is_single_s(build, strategy, dtype):
     assert max_difference(after_one_step(build, strategy, dtype), expected) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("build", [residual_strided, branches_averaged], ids=lambda build: build.__name__)
+@pytest.mark.parametrize("build", [residual_strided, branches_averaged, inverted_residuals],
+                         ids=lambda build: build.__name__)
 def test_a_batch_the_shards_do_not_divide_takes_single_s_step_too(build):
     """Seven images on two shards: what is split over the batch elsewhere is whole on both devices, and the
     convolutions run as im2col (an epoch's last batch meets this)."""

@@ -153,9 +153,10 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
         "channel sharding cannot convert layer 'norm' of type LayerNormalization; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, "
-        "ZeroPadding2D, Cropping2D, Flatten, Dropout, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, "
-        "Subtract, Multiply, Average, Maximum, Minimum, Concatenate. Received: layer='norm' (LayerNormalization)")
+        "Dense, BatchNormalization, DepthwiseConv2D, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, "
+        "GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, Flatten, Dropout, Activation, ReLU, LeakyReLU, ELU, Softmax, "
+        "Rescaling, Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate. Received: layer='norm' "
+        "(LayerNormalization)")
 
 
 def test_a_mesh_larger_than_the_devices_lists_them():

@@ -56,13 +56,14 @@ from tensorflow.experimental import dtensor
 
 from keras_cnnpar import graph
 from keras_cnnpar.sharded.layers import (
-    CHANNEL_MIXING,
     ChannelShardedConv2D,
     ShardedBatchNormalization,
     ShardedDense,
+    ShardedDepthwiseConv2D,
     ShardedLayer,
     WeightedModule,
     activation_layout,
+    mixes_channels,
     module_name,
     same_padding,
     to_mesh,
@@ -72,9 +73,9 @@ from keras_cnnpar.sharded.layers import (
 
 #: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
-             "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "Flatten", "Dropout", *ELEMENTWISE, "Add", "Subtract",
-             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "MaxPooling2D", "AveragePooling2D",
+             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "Flatten", "Dropout",
+             *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -259,12 +260,6 @@ class _Node(typing.NamedTuple):
     activity_regularizer: object = None
 
 
-def mixes_channels(layer):
-    """Whether ``layer`` computes across the channels (a softmax), so it runs on whole channels."""
-    name = keras.activations.serialize(layer.activation) if hasattr(layer, "activation") else None
-    return isinstance(layer, keras.layers.Softmax) or (isinstance(name, str) and name in CHANNEL_MIXING)
-
-
 def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
     """The mode of a Conv2D or Dense ``layer`` whose input channels are sharded or not, on a mesh with a
     ``"batch"`` axis or not, as the model's output or not: the rule of the module docstring.
@@ -295,8 +290,8 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in ("Conv2D", "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind == "BatchNormalization":
-        return _Tensor(first.sharded, None, True, first.batch_split)
+    if kind in ("BatchNormalization", "DepthwiseConv2D"):  # per channel: the input's layout
+        return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind == "Concatenate":
@@ -394,8 +389,10 @@ class ShardedModel(tf.Module):
         #: The modules with weights, in the Keras model's layer order (its weight order).
         self.weighted = [converted[layer.name] for layer in model.layers
                          if isinstance(converted.get(layer.name), WeightedModule)]
-        for layer in self.sharded_layers[:-1] if compute_dtype else ():
-            layer.compute_dtype = tf.as_dtype(compute_dtype)
+        output_layer = self.sharded_layers[-1:]
+        for module in self.weighted if compute_dtype else ():
+            if hasattr(module, "compute_dtype") and module not in output_layer:
+                module.compute_dtype = tf.as_dtype(compute_dtype)
 
     def _convert(self, layer, index, inputs, output_key):
         """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
@@ -416,6 +413,8 @@ class ShardedModel(tf.Module):
             op = ShardedDense(layer, self.mesh, mode, input_shape=first.folded)
         elif kind == "BatchNormalization":
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
+        elif kind == "DepthwiseConv2D":
+            op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
         elif kind in Merge.FUNCTIONS:
             op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
