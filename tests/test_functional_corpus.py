@@ -4,8 +4,9 @@ Each graph puts the supported layers in other positions: BatchNormalization on
 the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
-convolutions; depthwise convolutions in MobileNetV2's blocks; global pooling
-with and without ``keepdims``; Dense logits without a softmax; weight and
+convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
+blocks (Normalization, squeeze and excitation); global pooling with and without
+``keepdims``; Dense logits without a softmax; weight and
 activity regularizers (in float32). One SGD
 step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
 weights, BatchNormalization's moving statistics included: within 1e-9 in
@@ -101,7 +102,24 @@ def inverted_residuals(x):
     return L.Dense(10)(L.GlobalAveragePooling2D()(x))
 
 
-CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals]
+def squeeze_excited(x):
+    """EfficientNet's blocks: a Normalization adapted to the images and one given its statistics (on sharded
+    channels under Hybrid), swish, a depthwise convolution, squeeze and excitation (global pooling, a Reshape to
+    ``(1, 1, c)``, two 1x1 convolutions, a broadcasting ``Multiply``), dropout with a noise shape, a residual Add."""
+    adapted = L.Normalization()
+    adapted.adapt(batch()[0])
+    x = L.Conv2D(16, 3, strides=2, padding="same", use_bias=False)(adapted(x))
+    x = L.Activation("swish")(L.BatchNormalization()(x))
+    block = L.Activation("swish")(L.DepthwiseConv2D(3, padding="same")(x))
+    squeezed = L.Reshape((1, 1, 16))(L.GlobalAveragePooling2D()(block))
+    block = L.Multiply()([block, L.Conv2D(16, 1, activation="sigmoid")(L.Conv2D(4, 1, activation="swish")(squeezed))])
+    given = L.Normalization(mean=np.linspace(-0.1, 0.1, 16), variance=np.linspace(0.5, 2.0, 16))
+    x = L.Add()([x, L.Dropout(0.0, noise_shape=(None, 1, 1, 1))(given(L.Conv2D(16, 1)(block)))])
+    return L.Dense(10)(L.Flatten()(L.GlobalAveragePooling2D(keepdims=True)(x)))
+
+
+CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
+          squeeze_excited]
 
 
 @functools.cache

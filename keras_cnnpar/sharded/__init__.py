@@ -9,8 +9,14 @@ confused with the ``"layers"`` strategy (layer placement); the old name
 ('Conv2D', 'Dense', 'BatchNormalization')
 """
 
-from keras_cnnpar.sharded.layers import ChannelShardedConv2D, ShardedBatchNormalization, ShardedDense
+from keras_cnnpar.sharded.layers import (
+    ChannelShardedConv2D,
+    ShardedBatchNormalization,
+    ShardedDense,
+    ShardedDepthwiseConv2D,
+    ShardedNormalization,
+)
 from keras_cnnpar.sharded.model import SUPPORTED, ShardedModel, ShardedSequential
 
-__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedBatchNormalization", "ShardedDense", "ShardedModel",
-           "ShardedSequential"]
+__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedBatchNormalization", "ShardedDense", "ShardedDepthwiseConv2D",
+           "ShardedModel", "ShardedNormalization", "ShardedSequential"]

@@ -497,6 +497,65 @@ class ShardedDepthwiseConv2D(WeightedModule):
         return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
 
 
+class ShardedNormalization(WeightedModule):
+    """A ``keras.layers.Normalization`` over the channels (last axis): its mean and variance (adapted, or given)
+    laid out like the channels, whole or sharded; nothing trains them, and its weights are handed back as
+    they came.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> x = np.random.default_rng(0).random((4, 3, 3, 6), dtype="float32")
+    >>> norm = keras.layers.Normalization()
+    >>> norm.adapt(x)
+    >>> bool(np.allclose(ShardedNormalization(norm, mesh, channels_sharded=True).forward(x), norm(x), atol=1e-5))
+    True
+
+    Args:
+        layer: the built ``keras.layers.Normalization`` to copy (``axis=-1``).
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        channels_sharded: whether its input's channels are sharded over ``"model"``.
+    """
+
+    def __init__(self, layer, mesh, channels_sharded=False):
+        super().__init__(layer)
+        if layer.mean is None or any(n != 1 for n in layer.mean.shape[:-1]):  # Keras's broadcast shape
+            raise ValueError(f"channel sharding supports Normalization over the last axis; layer {layer.name!r} has "
+                             f"axis={layer.axis!r}. Received: axis={layer.axis!r}")
+        self.mesh, self.sharded, self.invert = mesh, channels_sharded, layer.invert
+        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
+        channels = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
+        # What Keras's call reads: the statistics given to the layer, or those adapted when it was built (a
+        # Keras snapshot of its weights, which set_weights leaves as it was; adapt() and loading renew it).
+        self.mean, self.variance = (to_mesh(np.reshape(np.asarray(value), [-1]), channels)
+                                    for value in (layer.mean, layer.variance))
+        # The weights (mean, variance and count; none where the statistics were given), kept to be handed back.
+        self.variables_in_order = [
+            dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), dtensor.Layout(channels.sharding_specs[:w.ndim],
+                                                                                mesh)), name=module_name(w.name))
+            for w in layer.weights]
+        self.set_weights(layer.get_weights())
+        self.compute_dtype = tf.as_dtype(layer.compute_dtype)
+
+    @property
+    def mode(self):
+        return "sharded" if self.sharded else "whole"
+
+    def __call__(self, x, training=False):
+        x = tf.cast(x, self.compute_dtype)
+        mean, variance = (tf.cast(v, self.compute_dtype) for v in (self.mean, self.variance))
+        scale = tf.maximum(tf.sqrt(variance), keras.config.epsilon())
+        return mean + x * scale if self.invert else (x - mean) / scale
+
+    def forward(self, x):
+        """This layer alone on numpy input: for tests and examples."""
+        layout = activation_layout(self.mesh, np.shape(x), self.sharded)
+        return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
+
+
 def depthwise_conv(x, kernel, strides, padding):
     """Depthwise convolution of ``x`` (NHWC) with ``kernel`` (kh, kw, channels, multiplier) and Keras's
     ``padding`` ("same" is TensorFlow's SAME): TensorFlow's own op, with its gradient written in ops DTensor

@@ -15,8 +15,9 @@ layers, a layer whose input is sharded (or split over the batch) runs in row
 mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
 model's output) runs in row mode, so its units need not split.
-BatchNormalization, pooling, padding, dropout, ``Flatten`` and activations
-keep the layout they get; an ``Add`` (or another elementwise merge) takes
+BatchNormalization, Normalization, DepthwiseConv2D, pooling, padding,
+dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and activations keep
+the layout they get; an ``Add`` (or another elementwise merge) takes
 the layout of its inputs, split over the batch if any is, else sharded if any
 is, and re-lays the others out to it (cutting a whole tensor needs no
 communication); ``Concatenate`` of tensors split over the batch stays split,
@@ -61,6 +62,7 @@ from keras_cnnpar.sharded.layers import (
     ShardedDense,
     ShardedDepthwiseConv2D,
     ShardedLayer,
+    ShardedNormalization,
     WeightedModule,
     activation_layout,
     mixes_channels,
@@ -73,9 +75,10 @@ from keras_cnnpar.sharded.layers import (
 
 #: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "MaxPooling2D", "AveragePooling2D",
-             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "Flatten", "Dropout",
-             *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "Normalization", "MaxPooling2D",
+             "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D",
+             "Flatten", "Reshape", "Dropout", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum",
+             "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -161,18 +164,38 @@ class Flatten(tf.Module):
         return tf.reshape(x, [-1, math.prod(x.shape[1:])])
 
 
+class Reshape(tf.Module):
+    """A ``Reshape`` that adds or removes axes of size 1 before the channels, as a squeeze-and-excitation block's
+    ``(c,)`` to ``(1, 1, c)``: the channels and the batch keep their layout. Any other reshape is refused."""
+
+    def __init__(self, layer):
+        super().__init__(name=module_name(layer.name))
+        source, target = tuple(layer.input.shape[1:]), tuple(layer.target_shape)
+        if [n for n in source if n != 1] != [n for n in target if n != 1] or source[-1:] != target[-1:]:
+            raise ValueError(f"channel sharding converts a Reshape that only adds or removes axes of size 1 before "
+                             f"the channels (a squeeze-and-excitation block's); layer {layer.name!r} reshapes "
+                             f"{source} to {target}. Received: target_shape={target}")
+        self.target = target
+
+    def __call__(self, x, training=False):
+        return tf.reshape(x, [-1, *self.target])
+
+
 class Dropout(tf.Module):
     """``Dropout`` with a stateless random mask, seeded by the training step and the layer's position."""
 
     def __init__(self, layer, step, index):
         super().__init__(name=module_name(layer.name))
         self.rate, self.step, self.index = layer.rate, step, index
+        self.noise_shape = layer.noise_shape  # None: a mask value per input value; else Keras's broadcast shape
 
     def __call__(self, x, training=False):
         if not training or self.rate == 0:
             return x
         seed = tf.stack([self.step.read_value(), tf.constant(self.index, tf.int64)])
-        keep = tf.random.stateless_uniform(tf.shape(x), seed) >= self.rate
+        shape = x.shape if self.noise_shape is None else [n if n is not None else size
+                                                           for n, size in zip(self.noise_shape, x.shape)]
+        keep = tf.random.stateless_uniform(shape, seed) >= self.rate
         return tf.where(keep, x / (1.0 - self.rate), tf.zeros_like(x))
 
 
@@ -290,7 +313,7 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in ("Conv2D", "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind in ("BatchNormalization", "DepthwiseConv2D"):  # per channel: the input's layout
+    if kind in ("BatchNormalization", "DepthwiseConv2D", "Normalization"):  # per channel: the input's layout
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
@@ -388,7 +411,8 @@ class ShardedModel(tf.Module):
             converted[layer.name] = op
         #: The modules with weights, in the Keras model's layer order (its weight order).
         self.weighted = [converted[layer.name] for layer in model.layers
-                         if isinstance(converted.get(layer.name), WeightedModule)]
+                         if isinstance(converted.get(layer.name), WeightedModule)
+                         and converted[layer.name].variables_in_order]
         output_layer = self.sharded_layers[-1:]
         for module in self.weighted if compute_dtype else ():
             if hasattr(module, "compute_dtype") and module not in output_layer:
@@ -415,6 +439,8 @@ class ShardedModel(tf.Module):
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
         elif kind == "DepthwiseConv2D":
             op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
+        elif kind == "Normalization":
+            op = ShardedNormalization(layer, self.mesh, first.sharded)
         elif kind in Merge.FUNCTIONS:
             op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
@@ -439,6 +465,8 @@ class ShardedModel(tf.Module):
             return Flatten(layer)
         if kind == "Dropout":
             return Dropout(layer, self.step, index)
+        if kind == "Reshape":
+            return Reshape(layer)
         return Elementwise(layer, self.mesh, first.batch_split)
 
     @property
