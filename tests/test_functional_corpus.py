@@ -5,8 +5,8 @@ the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
-blocks (Normalization, squeeze and excitation); global pooling with and without
-``keepdims``; Dense logits without a softmax; weight and
+blocks (Normalization, squeeze and excitation); separable convolutions; global
+pooling with and without ``keepdims``; Dense logits without a softmax; weight and
 activity regularizers (in float32). One SGD
 step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
 weights, BatchNormalization's moving statistics included: within 1e-9 in
@@ -118,8 +118,20 @@ def squeeze_excited(x):
     return L.Dense(10)(L.Flatten()(L.GlobalAveragePooling2D(keepdims=True)(x)))
 
 
+def separable(x):
+    """Xception's entry: separable convolutions (strided, a depth multiplier, a softmax-free ReLU, regularizers)
+    after a whole and after a sharded input, a residual 1x1 strided convolution, global max pooling."""
+    x = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    residual = L.Conv2D(16, 1, strides=2)(x)
+    x = L.SeparableConv2D(16, 3, padding="same", depth_multiplier=2, depthwise_regularizer="l2",
+                          pointwise_regularizer="l2")(x)
+    x = L.SeparableConv2D(16, 3, strides=2, padding="same", activation="relu")(L.BatchNormalization()(x))
+    x = L.SeparableConv2D(16, 3, use_bias=False)(L.Add()([x, residual]))
+    return L.Dense(10)(L.GlobalMaxPooling2D()(x))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited]
+          squeeze_excited, separable]
 
 
 @functools.cache

@@ -153,10 +153,10 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
         "channel sharding cannot convert layer 'norm' of type LayerNormalization; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, DepthwiseConv2D, Normalization, MaxPooling2D, AveragePooling2D, "
-        "GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, Flatten, Reshape, Dropout, "
-        "Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, Subtract, Multiply, Average, Maximum, Minimum, "
-        "Concatenate. Received: layer='norm' (LayerNormalization)")
+        "Dense, BatchNormalization, DepthwiseConv2D, SeparableConv2D, Normalization, MaxPooling2D, "
+        "AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, Flatten, Reshape, "
+        "Dropout, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, Subtract, Multiply, Average, Maximum, "
+        "Minimum, Concatenate. Received: layer='norm' (LayerNormalization)")
 
 
 def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused():

@@ -130,6 +130,12 @@ Received: dilation_rate=(2, 2)
                              f"{key}={config[key]!r}. Received: {key}={config[key]!r}")
 
 
+def weight_regularizers(layer):
+    """``layer``'s weight regularizers in its weight order; None where a weight has none or is not trainable
+    (Keras regularizes trainable weights only)."""
+    return tuple(w.regularizer if w.trainable else None for w in layer.weights)
+
+
 class WeightedModule(tf.Module):
     """A module whose weights are DVariables that mirror a Keras layer's: its order, shapes and trainable flags."""
 
@@ -138,9 +144,8 @@ class WeightedModule(tf.Module):
 
     def __init__(self, layer):
         super().__init__(name=module_name(layer.name))
-        #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order; None where a
-        #: weight has none or is not trainable (Keras regularizes trainable weights only).
-        self.regularizers = tuple(w.regularizer if w.trainable else None for w in layer.weights)
+        #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order.
+        self.regularizers = weight_regularizers(layer)
 
     def regularization_losses(self):
         """The Keras twin's weight regularizers applied to the DVariables in its shapes, as ``layer.losses`` are."""
@@ -287,6 +292,47 @@ class ChannelShardedConv2D(ShardedLayer):
         else:
             y = conv_as_matmul(tf.pad(x, pads), kernel, self.strides, self.input_gradient)
         return self._finish(dtensor.relayout(y, self._output_layout(y)))
+
+
+class ShardedSeparableConv2D(ChannelShardedConv2D):
+    """A ``keras.layers.SeparableConv2D``: its depthwise part as :class:`ShardedDepthwiseConv2D` (kernels whole,
+    on the input's layout), then its pointwise part, a 1x1 :class:`ChannelShardedConv2D` in ``mode`` with the
+    bias and the activation. The weights are Keras's: depthwise kernel, pointwise kernel, bias.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> separable = keras.layers.SeparableConv2D(4, 3, strides=2, padding="same", activation="relu")
+    >>> x = np.random.default_rng(0).random((2, 9, 9, 6), dtype="float32")
+    >>> reference = separable(x).numpy()
+    >>> bool(np.allclose(ShardedSeparableConv2D(separable, mesh).forward(x), reference, atol=1e-5))
+    True
+    """
+
+    def __init__(self, layer, mesh, mode="column", channels_sharded=False):
+        require_settings(layer, "ShardedSeparableConv2D", data_format="channels_last", dilation_rate=(1, 1))
+        kh, kw, channels, multiplier = layer.depthwise_kernel.shape
+        twin = {"dtype": layer.dtype_policy, "name": layer.name}
+        depthwise = keras.layers.DepthwiseConv2D((kh, kw), layer.strides, layer.padding, multiplier, use_bias=False,
+                                                 **twin)
+        depthwise.build((None, None, None, channels))
+        depthwise.set_weights([layer.depthwise_kernel.numpy()])
+        pointwise = keras.layers.Conv2D(layer.filters, 1, activation=layer.activation, use_bias=layer.use_bias, **twin)
+        pointwise.build((None, None, None, channels * multiplier))
+        pointwise.set_weights([w.numpy() for w in layer.weights[1:]])
+        super().__init__(pointwise, mesh, mode)
+        self.depthwise = ShardedDepthwiseConv2D(depthwise, mesh, channels_sharded)
+        self.regularizers = weight_regularizers(layer)
+        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
+        self.variables_in_order = [*self.depthwise.variables_in_order, *self.variables_in_order]
+        self.trainable_count = len(self.variables_in_order)
+
+    def __call__(self, x, training=False):
+        self.depthwise.compute_dtype = self.compute_dtype  # the depthwise part computes as the layer does
+        return super().__call__(self.depthwise(x))
 
 
 class ShardedDense(ShardedLayer):

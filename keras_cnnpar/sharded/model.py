@@ -63,6 +63,7 @@ from keras_cnnpar.sharded.layers import (
     ShardedDepthwiseConv2D,
     ShardedLayer,
     ShardedNormalization,
+    ShardedSeparableConv2D,
     WeightedModule,
     activation_layout,
     mixes_channels,
@@ -75,10 +76,12 @@ from keras_cnnpar.sharded.layers import (
 
 #: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "Normalization", "MaxPooling2D",
-             "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D",
-             "Flatten", "Reshape", "Dropout", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum",
-             "Minimum", "Concatenate")
+#: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
+CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "SeparableConv2D", "Normalization",
+             "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D",
+             "Cropping2D", "Flatten", "Reshape", "Dropout", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average",
+             "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -293,7 +296,7 @@ def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
     >>> sharded_mode(logits, input_sharded=False)  # its output is gathered anyway: 10 units need not split
     'row'
     """
-    if type(layer).__name__ == "Conv2D":
+    if type(layer).__name__ in CONVOLUTIONS:
         return "row" if input_sharded and batch_axis else "column"  # split batch (no "batch" axis) takes any layout
     return "row" if input_sharded or model_output or mixes_channels(layer) else "column"
 
@@ -308,9 +311,9 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     batch_split = any(t.batch_split for t in inputs)
-    if kind == "Conv2D" and not batch_axis:
+    if kind in CONVOLUTIONS and not batch_axis:
         return _Tensor(False, None, True, batch_split=True)
-    if kind in ("Conv2D", "Dense"):
+    if kind in (*CONVOLUTIONS, "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
     if kind in ("BatchNormalization", "DepthwiseConv2D", "Normalization"):  # per channel: the input's layout
@@ -429,8 +432,9 @@ class ShardedModel(tf.Module):
             raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
                              f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
         mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output_key == self.output_key)
-        if kind == "Conv2D":
-            op = ChannelShardedConv2D(layer, self.mesh, mode)
+        if kind in CONVOLUTIONS:
+            op = ChannelShardedConv2D(layer, self.mesh, mode) if kind == "Conv2D" else \
+                ShardedSeparableConv2D(layer, self.mesh, mode, first.sharded)
             op.input_gradient = any(t.differentiable for t in inputs)
             op.batch_split_output = output.batch_split
         elif kind == "Dense":
