@@ -155,8 +155,8 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         "channel sharding cannot convert layer 'norm' of type LayerNormalization; the supported layers are Conv2D, "
         "Dense, BatchNormalization, DepthwiseConv2D, SeparableConv2D, Normalization, MaxPooling2D, "
         "AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, Flatten, Reshape, "
-        "Dropout, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, Subtract, Multiply, Average, Maximum, "
-        "Minimum, Concatenate. Received: layer='norm' (LayerNormalization)")
+        "Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, Subtract, Multiply, "
+        "Average, Maximum, Minimum, Concatenate. Received: layer='norm' (LayerNormalization)")
 
 
 def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused():
@@ -169,14 +169,17 @@ def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused():
         "squeeze-and-excitation block's); layer 'fold' reshapes (4, 4, 2) to (8, 4). Received: target_shape=(8, 4)")
 
 
-def test_dropout_keeps_keras_s_noise_shape():
-    """EfficientNet's drop-connect, ``noise_shape=(None, 1, 1, 1)``: each example is kept or dropped whole."""
-    model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Dropout(0.5, noise_shape=(None, 1, 1, 1))])
+@pytest.mark.parametrize("dropout, kept_whole", [
+    (keras.layers.Dropout(0.5, noise_shape=(None, 1, 1, 1)), (1, 2, 3)),  # EfficientNet's drop-connect: an example
+    (keras.layers.SpatialDropout2D(0.5), (1, 2)),  # a channel of an example
+], ids=["noise_shape", "spatial"])
+def test_dropout_keeps_keras_s_noise_shape(dropout, kept_whole):
+    model = keras.Sequential([keras.Input((4, 4, 2)), dropout])
     sharded = ShardedModel(model, mesh_of())
     x = to_mesh(np.ones((32, 4, 4, 2), "float32"), dtensor.Layout.replicated(sharded.mesh, 4))
-    y = to_numpy(tf.function(lambda x: sharded(x, training=True))(x)).reshape(32, -1)
-    assert (y.min(axis=1) == y.max(axis=1)).all()  # one mask value per example
-    assert set(np.unique(y)) == {0.0, 2.0} and 4 < int((y[:, 0] == 0).sum()) < 28
+    y = to_numpy(tf.function(lambda x: sharded(x, training=True))(x))
+    assert (y.min(axis=kept_whole) == y.max(axis=kept_whole)).all()  # one mask value where Keras's noise shape is 1
+    assert set(np.unique(y)) == {0.0, 2.0} and 0.2 < float(np.mean(y == 0)) < 0.8
 
 
 def test_a_mesh_larger_than_the_devices_lists_them():

@@ -80,8 +80,8 @@ ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "SeparableConv2D", "Normalization",
              "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D",
-             "Cropping2D", "Flatten", "Reshape", "Dropout", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average",
-             "Maximum", "Minimum", "Concatenate")
+             "Cropping2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract",
+             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -185,12 +185,15 @@ class Reshape(tf.Module):
 
 
 class Dropout(tf.Module):
-    """``Dropout`` with a stateless random mask, seeded by the training step and the layer's position."""
+    """``Dropout`` (or ``SpatialDropout2D``) with a stateless random mask, seeded by the training step and the
+    layer's position."""
 
     def __init__(self, layer, step, index):
         super().__init__(name=module_name(layer.name))
         self.rate, self.step, self.index = layer.rate, step, index
-        self.noise_shape = layer.noise_shape  # None: a mask value per input value; else Keras's broadcast shape
+        #: None: a mask value per input value; else Keras's broadcast shape (SpatialDropout2D's: per channel).
+        self.noise_shape = (None, 1, 1, None) if isinstance(layer, keras.layers.SpatialDropout2D) else \
+            layer.noise_shape
 
     def __call__(self, x, training=False):
         if not training or self.rate == 0:
@@ -467,7 +470,7 @@ class ShardedModel(tf.Module):
             return Cropping(layer)
         if kind == "Flatten":
             return Flatten(layer)
-        if kind == "Dropout":
+        if kind in ("Dropout", "SpatialDropout2D"):
             return Dropout(layer, self.step, index)
         if kind == "Reshape":
             return Reshape(layer)
