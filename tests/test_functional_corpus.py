@@ -119,9 +119,9 @@ def squeeze_excited(x):
 
 
 def separable(x):
-    """Xception's entry: separable convolutions (strided, a depth multiplier, a softmax-free ReLU, regularizers)
-    after a whole and after a sharded input, a residual 1x1 strided convolution, global max pooling."""
-    x = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    """Xception's entry: separable convolutions (on the images, strided, a depth multiplier, regularizers) after
+    a whole and after a sharded input, a residual 1x1 strided convolution, global max pooling."""
+    x = L.SeparableConv2D(8, 3, padding="same", activation="relu")(x)
     residual = L.Conv2D(16, 1, strides=2)(x)
     x = L.SeparableConv2D(16, 3, padding="same", depth_multiplier=2, depthwise_regularizer="l2",
                           pointwise_regularizer="l2")(x)

@@ -330,6 +330,15 @@ class ShardedSeparableConv2D(ChannelShardedConv2D):
         self.variables_in_order = [*self.depthwise.variables_in_order, *self.variables_in_order]
         self.trainable_count = len(self.variables_in_order)
 
+    @property
+    def input_gradient(self):
+        """Always: the depthwise kernel's gradient flows through the pointwise part's input, a first layer's too."""
+        return True
+
+    @input_gradient.setter
+    def input_gradient(self, value):
+        pass
+
     def __call__(self, x, training=False):
         self.depthwise.compute_dtype = self.compute_dtype  # the depthwise part computes as the layer does
         return super().__call__(self.depthwise(x))
