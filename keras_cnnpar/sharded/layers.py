@@ -167,6 +167,16 @@ class WeightedModule(tf.Module):
         for variable, value in zip(self.variables_in_order, weights):
             variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
 
+    def takes_sharded_channels(self):
+        """Whether this module's input has its channels sharded over ``"model"`` (else whole)."""
+        return self.sharded
+
+    def forward(self, x, training=False):
+        """This layer alone on numpy or local input, laid out as it takes it: for tests and examples (a
+        ``tf.function`` of one call)."""
+        layout = activation_layout(self.mesh, np.shape(x), self.takes_sharded_channels())
+        return to_numpy(tf.function(lambda x: self(x, training=training))(to_mesh(x, layout)))
+
 
 class ShardedLayer(WeightedModule):
     """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
@@ -229,10 +239,8 @@ class ShardedLayer(WeightedModule):
             y = dtensor.relayout(y, activation_layout(self.mesh, y.shape))
         return self.activation(y)
 
-    def forward(self, x):
-        """This layer alone on numpy or local input: for tests and examples (a ``tf.function`` of one call)."""
-        layout = activation_layout(self.mesh, np.shape(x), self.mode == "row")
-        return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
+    def takes_sharded_channels(self):
+        return self.mode == "row"
 
 
 class ChannelShardedConv2D(ShardedLayer):
@@ -462,10 +470,9 @@ class ShardedBatchNormalization(WeightedModule):
         y = tf.nn.batch_normalization(self._per_replica(x), mean, variance, self.beta, self.gamma, self.epsilon)
         return tf.cast(tf.reshape(y, x.shape) if self._replicas(x) > 1 else y, dtype)
 
-    def forward(self, x):
-        """This layer alone in training mode on numpy input: for tests and examples."""
-        layout = activation_layout(self.mesh, np.shape(x), self.sharded)
-        return to_numpy(tf.function(lambda x: self(x, training=True))(to_mesh(x, layout)))
+    def forward(self, x, training=True):
+        """This layer alone, in training mode unless told: for tests and examples."""
+        return super().forward(x, training)
 
     def _replicas(self, x):
         """How many slices of the batch are normalized separately: the ``"batch"`` replicas when unsynchronized."""
@@ -546,11 +553,6 @@ class ShardedDepthwiseConv2D(WeightedModule):
         y = self.activation(y)
         return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.sharded and not mixes_channels(self)))
 
-    def forward(self, x):
-        """This layer alone on numpy input: for tests and examples."""
-        layout = activation_layout(self.mesh, np.shape(x), self.sharded)
-        return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
-
 
 class ShardedNormalization(WeightedModule):
     """A ``keras.layers.Normalization`` over the channels (last axis): its mean and variance (adapted, or given)
@@ -604,11 +606,6 @@ class ShardedNormalization(WeightedModule):
         mean, variance = (tf.cast(v, self.compute_dtype) for v in (self.mean, self.variance))
         scale = tf.maximum(tf.sqrt(variance), keras.config.epsilon())
         return mean + x * scale if self.invert else (x - mean) / scale
-
-    def forward(self, x):
-        """This layer alone on numpy input: for tests and examples."""
-        layout = activation_layout(self.mesh, np.shape(x), self.sharded)
-        return to_numpy(tf.function(self.__call__)(to_mesh(x, layout)))
 
 
 def depthwise_conv(x, kernel, strides, padding):
