@@ -5,8 +5,8 @@ the images, after a convolution with or without bias, after a Dense; merges of
 sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
-blocks (Normalization, squeeze and excitation); separable convolutions; global
-pooling with and without ``keepdims``; Dense logits without a softmax; weight and
+blocks (Normalization, squeeze and excitation); separable convolutions;
+ConvNeXt's LayerNormalization; global pooling with and without ``keepdims``; Dense logits without a softmax; weight and
 activity regularizers (in float32). One SGD
 step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
 weights, BatchNormalization's moving statistics included: within 1e-9 in
@@ -130,8 +130,19 @@ def separable(x):
     return L.Dense(10)(L.GlobalMaxPooling2D()(x))
 
 
+def layer_normalized(x):
+    """ConvNeXt's block: a strided patch convolution, LayerNormalization (one with RMS scaling, one without
+    center) around a 7x7 depthwise convolution, 1x1 convolutions with GELU, a residual Add, global pooling and
+    a LayerNormalization of the features."""
+    x = L.LayerNormalization(epsilon=1e-6)(L.Conv2D(16, 2, strides=2)(x))
+    block = L.LayerNormalization(rms_scaling=True)(L.DepthwiseConv2D(7, padding="same")(x))
+    block = L.Conv2D(16, 1)(L.Conv2D(32, 1, activation="gelu")(block))
+    x = L.LayerNormalization(center=False)(L.Add()([x, block]))
+    return L.Dense(10)(L.LayerNormalization()(L.GlobalAveragePooling2D()(x)))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable]
+          squeeze_excited, separable, layer_normalized]
 
 
 @functools.cache

@@ -147,16 +147,16 @@ def test_a_channel_count_that_does_not_split_names_the_layer_and_the_divisors():
 
 def test_an_unsupported_layer_is_named_with_the_supported_ones():
     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
-                              keras.layers.LayerNormalization(name="norm"), keras.layers.Flatten(),
+                              keras.layers.GroupNormalization(2, name="norm"), keras.layers.Flatten(),
                               keras.layers.Dense(10)])
     with pytest.raises(ValueError) as raised:
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
-        "channel sharding cannot convert layer 'norm' of type LayerNormalization; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, DepthwiseConv2D, SeparableConv2D, Normalization, MaxPooling2D, "
-        "AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, Flatten, Reshape, "
-        "Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, Subtract, Multiply, "
-        "Average, Maximum, Minimum, Concatenate. Received: layer='norm' (LayerNormalization)")
+        "channel sharding cannot convert layer 'norm' of type GroupNormalization; the supported layers are Conv2D, "
+        "Dense, BatchNormalization, LayerNormalization, DepthwiseConv2D, SeparableConv2D, Normalization, "
+        "MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, "
+        "Flatten, Reshape, Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, Rescaling, Add, "
+        "Subtract, Multiply, Average, Maximum, Minimum, Concatenate. Received: layer='norm' (GroupNormalization)")
 
 
 def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused():

@@ -178,6 +178,18 @@ class WeightedModule(tf.Module):
         return to_numpy(tf.function(lambda x: self(x, training=training))(to_mesh(x, layout)))
 
 
+class LayoutKeeping(WeightedModule):
+    """A module with weights that keeps its input's layout (channels ``sharded`` over ``"model"``, or whole; the
+    batch as it comes): BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D."""
+
+    sharded = False
+
+    @property
+    def mode(self):
+        """The layout the report names: ``"sharded"`` or ``"whole"`` channels."""
+        return "sharded" if self.sharded else "whole"
+
+
 class ShardedLayer(WeightedModule):
     """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
 
@@ -395,7 +407,7 @@ class ShardedDense(ShardedLayer):
         return self._finish(dtensor.relayout(y, self._output_layout(y)))
 
 
-class ShardedBatchNormalization(WeightedModule):
+class ShardedBatchNormalization(LayoutKeeping):
     """A ``keras.layers.BatchNormalization`` over the channels (last axis), on channels whole or sharded.
 
     Gamma, beta and the moving mean and variance are laid out like the
@@ -453,10 +465,6 @@ class ShardedBatchNormalization(WeightedModule):
         self.trainable_count = int(layer.scale) + int(layer.center)
         self.set_weights(layer.get_weights())
 
-    @property
-    def mode(self):
-        return "sharded" if self.sharded else "whole"
-
     def __call__(self, x, training=False):
         dtype = x.dtype
         x = tf.cast(x, tf.float64 if dtype == tf.float64 else tf.float32)
@@ -494,7 +502,7 @@ class ShardedBatchNormalization(WeightedModule):
         return tf.reshape(tf.reduce_mean(statistic, axis=0), [-1]) if statistic.shape.rank > 1 else statistic
 
 
-class ShardedDepthwiseConv2D(WeightedModule):
+class ShardedDepthwiseConv2D(LayoutKeeping):
     """A ``keras.layers.DepthwiseConv2D`` (channels-last, no dilation) on channels whole, sharded, or split over
     the batch.
 
@@ -521,8 +529,6 @@ class ShardedDepthwiseConv2D(WeightedModule):
         mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
         channels_sharded: whether its input's channels are sharded over ``"model"``.
     """
-
-    mode = "depthwise"
 
     def __init__(self, layer, mesh, channels_sharded=False):
         super().__init__(layer)
@@ -554,7 +560,7 @@ class ShardedDepthwiseConv2D(WeightedModule):
         return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.sharded and not mixes_channels(self)))
 
 
-class ShardedNormalization(WeightedModule):
+class ShardedNormalization(LayoutKeeping):
     """A ``keras.layers.Normalization`` over the channels (last axis): its mean and variance (adapted, or given)
     laid out like the channels, whole or sharded; nothing trains them, and its weights are handed back as
     they came.
@@ -597,15 +603,68 @@ class ShardedNormalization(WeightedModule):
         self.set_weights(layer.get_weights())
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
-    @property
-    def mode(self):
-        return "sharded" if self.sharded else "whole"
-
     def __call__(self, x, training=False):
         x = tf.cast(x, self.compute_dtype)
         mean, variance = (tf.cast(v, self.compute_dtype) for v in (self.mean, self.variance))
         scale = tf.maximum(tf.sqrt(variance), keras.config.epsilon())
         return mean + x * scale if self.invert else (x - mean) / scale
+
+
+class ShardedLayerNormalization(LayoutKeeping):
+    """A ``keras.layers.LayerNormalization`` over the channels (last axis), on channels whole, sharded, or split
+    over the batch: each example's statistics over its channels (DTensor all-reduces them where the channels
+    are sharded), gamma and beta laid out like the channels. The arithmetic is float32 (float64 for float64
+    input), as Keras's.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> norm = keras.layers.LayerNormalization()
+    >>> model = keras.Sequential([keras.Input((3, 3, 6)), norm])  # a layer of a model, as channel sharding meets it
+    >>> x = np.random.default_rng(0).random((4, 3, 3, 6), dtype="float32")
+    >>> reference = norm(x).numpy()
+    >>> bool(np.allclose(ShardedLayerNormalization(norm, mesh, channels_sharded=True).forward(x), reference, atol=1e-5))
+    True
+
+    Args:
+        layer: the ``keras.layers.LayerNormalization`` of a model to copy (``axis=-1``).
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        channels_sharded: whether its input's channels are sharded over ``"model"``.
+    """
+
+    def __init__(self, layer, mesh, channels_sharded=False):
+        super().__init__(layer)
+        if list(np.atleast_1d(layer.axis)) not in ([-1], [len(layer.input.shape) - 1]):
+            raise ValueError(f"channel sharding supports LayerNormalization over the last axis; layer {layer.name!r} "
+                             f"has axis={layer.axis!r}. Received: axis={layer.axis!r}")
+        self.mesh, self.sharded = mesh, channels_sharded
+        self.epsilon, self.rms_scaling = layer.epsilon, layer.rms_scaling
+        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
+        layout = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
+        self.variables_in_order = [dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), layout), name=name)
+                                   for w, name in zip(layer.weights, ("gamma", "beta") if layer.scale else ("beta",))]
+        self.trainable_count = len(self.variables_in_order)
+        self.set_weights(layer.get_weights())
+        self.gamma = self.variables_in_order[0] if layer.scale else None
+        self.beta = self.variables_in_order[-1] if layer.center else None
+        self.compute_dtype = tf.as_dtype(layer.compute_dtype)
+
+    def __call__(self, x, training=False):
+        x = tf.cast(x, tf.float64 if x.dtype == tf.float64 else tf.float32)
+        gamma, beta = (None if v is None else tf.cast(v, x.dtype) for v in (self.gamma, self.beta))
+        if self.rms_scaling:
+            y = x * tf.math.rsqrt(tf.math.reduce_variance(x, axis=-1, keepdims=True) + self.epsilon)
+            y = y if gamma is None else y * gamma
+        else:  # Keras's order of operations
+            mean, variance = tf.nn.moments(x, [-1], keepdims=True)
+            inverse = tf.math.rsqrt(variance + self.epsilon)
+            inverse = inverse if gamma is None else inverse * gamma
+            shift = -mean * inverse
+            y = x * inverse + (shift if beta is None else shift + beta)
+        return tf.cast(y, self.compute_dtype)
 
 
 def depthwise_conv(x, kernel, strides, padding):

@@ -15,9 +15,9 @@ layers, a layer whose input is sharded (or split over the batch) runs in row
 mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
 model's output) runs in row mode, so its units need not split.
-BatchNormalization, Normalization, DepthwiseConv2D, pooling, padding,
-dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and activations keep
-the layout they get; an ``Add`` (or another elementwise merge) takes
+BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
+pooling, padding, dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and
+activations keep the layout they get; an ``Add`` (or another elementwise merge) takes
 the layout of its inputs, split over the batch if any is, else sharded if any
 is, and re-lays the others out to it (cutting a whole tensor needs no
 communication); ``Concatenate`` of tensors split over the batch stays split,
@@ -62,6 +62,7 @@ from keras_cnnpar.sharded.layers import (
     ShardedDense,
     ShardedDepthwiseConv2D,
     ShardedLayer,
+    ShardedLayerNormalization,
     ShardedNormalization,
     ShardedSeparableConv2D,
     WeightedModule,
@@ -78,10 +79,10 @@ from keras_cnnpar.sharded.layers import (
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "DepthwiseConv2D", "SeparableConv2D", "Normalization",
-             "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D",
-             "Cropping2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract",
-             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "SeparableConv2D",
+             "Normalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D",
+             "ZeroPadding2D", "Cropping2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add",
+             "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -319,7 +320,7 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in (*CONVOLUTIONS, "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind in ("BatchNormalization", "DepthwiseConv2D", "Normalization"):  # per channel: the input's layout
+    if kind in ("BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "Normalization"):  # the input's
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
@@ -448,6 +449,8 @@ class ShardedModel(tf.Module):
             op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
         elif kind == "Normalization":
             op = ShardedNormalization(layer, self.mesh, first.sharded)
+        elif kind == "LayerNormalization":
+            op = ShardedLayerNormalization(layer, self.mesh, first.sharded)
         elif kind in Merge.FUNCTIONS:
             op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
