@@ -8,9 +8,10 @@ convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
 blocks (Normalization, squeeze and excitation); separable convolutions;
 ConvNeXt's LayerNormalization; global pooling with and without ``keepdims``;
 Dense logits without a softmax; weight and activity regularizers (in
-float32). One SGD step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's
-weights, BatchNormalization's moving statistics included: within 1e-9 in
-float64 (the same arithmetic, summed in another order) and 1e-4 in float32.
+float32). One SGD step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must
+give Single's weights, BatchNormalization's moving statistics included: within
+1e-9 in float64 (the same arithmetic, summed in another order) and 1e-4 in
+float32.
 """
 
 import functools
