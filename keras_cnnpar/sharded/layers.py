@@ -189,6 +189,19 @@ class LayoutKeeping(WeightedModule):
         """The layout the report names: ``"sharded"`` or ``"whole"`` channels."""
         return "sharded" if self.sharded else "whole"
 
+    def _mirror_weights(self, layer, channels_sharded):
+        """Set ``variables_in_order`` to a DVariable per weight of ``layer`` (its order, shapes and values): a
+        vector laid out like the channels (sharded over ``"model"`` or whole), anything else whole on every
+        device. Returns them by Keras's weight name (``"gamma"``, ``"moving_mean"``, ...)."""
+        channel = "model" if channels_sharded else UNSHARDED
+        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
+        self.variables_in_order = [
+            dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype),
+                                      dtensor.Layout([channel] if w.ndim == 1 else [UNSHARDED] * w.ndim, self.mesh)),
+                              name=module_name(w.name)) for w in layer.weights]
+        self.set_weights(layer.get_weights())
+        return dict(zip((w.name for w in layer.weights), self.variables_in_order))
+
 
 class ShardedLayer(WeightedModule):
     """What ``ChannelShardedConv2D`` and ``ShardedDense`` share: mode, weights as DVariables, Keras-shaped I/O."""
@@ -455,15 +468,10 @@ class ShardedBatchNormalization(LayoutKeeping):
         self.mesh, self.sharded = mesh, channels_sharded
         self.synchronized = synchronized
         self.momentum, self.epsilon = layer.momentum, layer.epsilon
-        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
-        layout = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
-        variables = {w.name: dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), layout), name=w.name)
-                     for w in layer.weights}
+        variables = self._mirror_weights(layer, channels_sharded)
         self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
         self.moving_mean, self.moving_variance = variables["moving_mean"], variables["moving_variance"]
-        self.variables_in_order = list(variables.values())
         self.trainable_count = int(layer.scale) + int(layer.center)
-        self.set_weights(layer.get_weights())
 
     def __call__(self, x, training=False):
         dtype = x.dtype
@@ -536,12 +544,8 @@ class ShardedDepthwiseConv2D(LayoutKeeping):
         self.mesh, self.sharded = mesh, channels_sharded
         self.window, self.strides, self.padding = tuple(layer.kernel_size), tuple(layer.strides), layer.padding
         self.activation = layer.activation
-        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
-        self.variables_in_order = [
-            dtensor.DVariable(to_mesh(np.zeros(w.shape, layer.variable_dtype), dtensor.Layout.replicated(mesh, w.ndim)),
-                              name=name) for w, name in zip(layer.weights, ("kernel", "bias"))]
+        self._mirror_weights(layer, channels_sharded=False)  # the kernels and the bias whole: few, and computed whole
         self.trainable_count = len(self.variables_in_order)
-        self.set_weights(layer.get_weights())
         #: The dtype of the layer's arithmetic, as a sharded layer's (``ShardedModel`` sets it for mixed precision).
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
@@ -589,18 +593,13 @@ class ShardedNormalization(LayoutKeeping):
             raise ValueError(f"channel sharding supports Normalization over the last axis; layer {layer.name!r} has "
                              f"axis={layer.axis!r}. Received: axis={layer.axis!r}")
         self.mesh, self.sharded, self.invert = mesh, channels_sharded, layer.invert
-        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
         channels = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
         # What Keras's call reads: the statistics given to the layer, or those adapted when it was built (a
         # Keras snapshot of its weights, which set_weights leaves as it was; adapt() and loading renew it).
         self.mean, self.variance = (to_mesh(np.reshape(np.asarray(value), [-1]), channels)
                                     for value in (layer.mean, layer.variance))
         # The weights (mean, variance and count; none where the statistics were given), kept to be handed back.
-        self.variables_in_order = [
-            dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), dtensor.Layout(channels.sharding_specs[:w.ndim],
-                                                                                mesh)), name=module_name(w.name))
-            for w in layer.weights]
-        self.set_weights(layer.get_weights())
+        self._mirror_weights(layer, channels_sharded)
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
     def __call__(self, x, training=False):
@@ -642,14 +641,9 @@ class ShardedLayerNormalization(LayoutKeeping):
                              f"has axis={layer.axis!r}. Received: axis={layer.axis!r}")
         self.mesh, self.sharded = mesh, channels_sharded
         self.epsilon, self.rms_scaling = layer.epsilon, layer.rms_scaling
-        self.keras_shapes = [tuple(w.shape) for w in layer.weights]
-        layout = dtensor.Layout(["model" if channels_sharded else UNSHARDED], mesh)
-        self.variables_in_order = [dtensor.DVariable(to_mesh(np.zeros(w.shape, w.dtype), layout), name=name)
-                                   for w, name in zip(layer.weights, ("gamma", "beta") if layer.scale else ("beta",))]
+        variables = self._mirror_weights(layer, channels_sharded)
+        self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
         self.trainable_count = len(self.variables_in_order)
-        self.set_weights(layer.get_weights())
-        self.gamma = self.variables_in_order[0] if layer.scale else None
-        self.beta = self.variables_in_order[-1] if layer.center else None
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
     def __call__(self, x, training=False):
