@@ -63,10 +63,13 @@ def estimate(model, strategy, batch_size, precision="float32"):
     itemsize = 2 if precision.startswith("mixed") else 4
     if alias in ("channels", "hybrid"):
         data = getattr(strategy, "data", 1)
-        values, per_device_batch = channel_sharded_values(model, devices // data, data > 1), batch_size / data
+        shards, batch_axis = devices // data, data > 1
+        values, per_device_batch = channel_sharded_values(model, shards, batch_axis), batch_size / data
+        largest = largest_output_values(model, channel_shares(model, shards, batch_axis))
     else:
         values, per_device_batch = kept_activation_values(model), batch_size / (1 if alias == "single" else devices)
-    parts["activations"] = (values + 2 * largest_output_values(model)) * per_device_batch * itemsize
+        largest = largest_output_values(model)
+    parts["activations"] = (values + 2 * largest) * per_device_batch * itemsize
     parts = {name: round(value) for name, value in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
@@ -124,9 +127,26 @@ def _kept_tensors(model):
             for tensor in node.output_tensors if _keeps_own_output(layer) or read_for_gradient(tensor)]
 
 
-def largest_output_values(model):
-    """Values per example of ``model``'s largest layer output (inputs included)."""
-    return max(_values(tensor) for tensor in _tensors(model))
+def largest_output_values(model, shares=None):
+    """Values per example of ``model``'s largest layer output (inputs included), on one device where ``shares``
+    gives the devices that share a layer's output (:func:`channel_shares`)."""
+    shares = shares or {}
+    return max(_values(tensor) / shares.get(layer.name, 1) for layer, node in _nodes(model)
+               for tensor in node.output_tensors)
+
+
+def channel_shares(model, shards, batch_axis=False):
+    """Layer name -> how many devices share its output under channel sharding over ``shards``: all of them
+    where its channels are sharded or its batch split, else 1 (whole on every device; ``model``'s input too).
+
+    >>> import keras_cnnpar as cnnpar
+    >>> model = cnnpar.models.cnn("2+2")  # convolutions and pooling on a split batch, then Dense layers
+    >>> shares = channel_shares(model, 2)
+    >>> [shares[layer.name] for layer in model.layers]
+    [2, 2, 2, 2, 2, 1, 1, 1]
+    """
+    return {name: shards if layout.output_sharded or layout.output_batch_split else 1
+            for name, layout in channel_layouts(model, batch_axis).items()}
 
 
 def channel_sharded_values(model, shards, batch_axis=False):
@@ -150,12 +170,10 @@ def channel_sharded_values(model, shards, batch_axis=False):
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
     0.51
     """
-    layouts = channel_layouts(model, batch_axis)  # the model's input layer is not in it: its images are whole
+    layouts, shares = channel_layouts(model, batch_axis), channel_shares(model, shards, batch_axis)
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
-        layout = layouts.get(layer.name)
-        split = layout is not None and (layout.output_sharded or layout.output_batch_split)
-        kept[layer.name] += _values(tensor) / (shards if split else 1)
+        kept[layer.name] += _values(tensor) / shares.get(layer.name, 1)
     held = peak = 0
     for layer, node in _nodes(model):
         held += kept.pop(layer.name, 0)
