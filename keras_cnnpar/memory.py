@@ -151,13 +151,14 @@ def channel_shares(model, shards, batch_axis=False):
 
 def channel_sharded_values(model, shards, batch_axis=False):
     """Values per example, on one device, that ``model``'s backward pass holds at its peak under channel sharding
-    over ``shards`` (``batch_axis``: a mesh that also splits the batch, which leaves only im2col).
+    over ``shards`` (``batch_axis``: a mesh that also splits the batch).
 
     Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
     layer's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
     sharded or split over the batch; each convolution adds the copy its formulation keeps for its gradient:
     its input padded and split over the batch (split batch; none for an input split already that the op
-    pads itself, Keras's ``"same"``), its sharded input transposed (filter gradient), or its ``kh*kw``
+    pads itself, Keras's ``"same"``; with a ``"batch"`` axis, its input with whole channels where they were
+    sharded or it is padded first), its sharded input transposed (filter gradient), or its ``kh*kw``
     stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs for a
     moment (one per window, summed at the end); the backward pass meets it when the tensors kept after that
     convolution are already freed, so the peak is the largest of those moments and the whole kept set.
@@ -196,6 +197,8 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
     padded_inside = layer.padding == "same" or not top + bottom + left + right
     if form == "split batch" and layout.input_batch_split and padded_inside:
         return 0, 0  # its input is the split batch already, padded inside the op: nothing more to keep
+    if form == "split batch" and batch_axis:  # a replica's input with whole channels: gathered, or padded
+        return (int(np.prod(padded[1:])) if layout.input_sharded or not padded_inside else 0), 0
     if form in ("split batch", "filter gradient"):
         return int(np.prod(padded[1:])) / shards, 0
     (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape

@@ -10,7 +10,7 @@ step and the convolution runs on the batch split over ``"model"``, which
 takes any input layout, and its output stays split over the batch, so the
 tensors from one convolution to the next (BatchNormalization with statistics
 all-reduced over the batch, pooling, activations, merges) need no
-communication. On a mesh with a ``"batch"`` axis (im2col only), and for Dense
+communication. On a mesh with a ``"batch"`` axis, and for Dense
 layers, a layer whose input is sharded (or split over the batch) runs in row
 mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
