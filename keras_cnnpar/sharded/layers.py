@@ -755,7 +755,7 @@ def formulation(mode, window, strides, padded_shape, shards, batch_axis=False):
     measured in docs/benchmarks.md. On a mesh with a ``"batch"`` axis (``batch_axis``) always ``"split
     batch"`` (``conv_on_split_batch``, over ``"batch"``: the ``"model"`` devices of a replica compute the same
     convolution; DTensor shards a tensor axis over one mesh axis, so the batch cannot also go over
-    ``"model"``); it measured 1.2-1.7x im2col's images/s for the 3+3 and the resnet under ``Hybrid(2, 2)``.
+    ``"model"``); it measured 1.2-1.9x im2col's images/s for the 3+3 and the resnet under ``Hybrid(2, 2)``.
     Without one: ``"split batch"`` (over ``"model"``) in column mode and for row-mode outputs larger than
     14x14 where the shards divide the batch, ``"filter gradient"`` (``conv_as_filter_gradient``) for
     row-mode, stride-1 outputs larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``).
