@@ -145,8 +145,13 @@ def channel_shares(model, shards, batch_axis=False):
     >>> [shares[layer.name] for layer in model.layers]
     [2, 2, 2, 2, 2, 1, 1, 1]
     """
+    return _shares(channel_layouts(model, batch_axis), shards)
+
+
+def _shares(layouts, shards):
+    """:func:`channel_shares` from the layouts of :func:`channel_layouts`."""
     return {name: shards if layout.output_sharded or layout.output_batch_split else 1
-            for name, layout in channel_layouts(model, batch_axis).items()}
+            for name, layout in layouts.items()}
 
 
 def channel_sharded_values(model, shards, batch_axis=False):
@@ -171,7 +176,8 @@ def channel_sharded_values(model, shards, batch_axis=False):
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
     0.51
     """
-    layouts, shares = channel_layouts(model, batch_axis), channel_shares(model, shards, batch_axis)
+    layouts = channel_layouts(model, batch_axis)  # the model's input layer is not in it: its images are whole
+    shares = _shares(layouts, shards)
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
         kept[layer.name] += _values(tensor) / shares.get(layer.name, 1)
