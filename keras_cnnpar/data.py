@@ -308,7 +308,25 @@ def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
     dataset = tf.data.Dataset.from_tensor_slices(examples).cache()
     if shuffle:
         dataset = dataset.shuffle(len(tf.nest.flatten(x)[0]), seed=seed, reshuffle_each_iteration=True)
-    return dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+    return untuned(dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE))
+
+
+def untuned(dataset):
+    """``dataset`` with ``tf.data``'s autotuning off, for the pipelines this package builds.
+
+    With autotuning on (TensorFlow's default), every iterator runs a model thread that sleeps between
+    optimizations for a period that doubles up to seconds, and deleting the iterator waits for that thread to
+    wake. Keras's ``fit`` makes a new iterator each epoch and deletes the last one, so an epoch could start
+    seconds late (1.8-2.5 s measured, every second or third epoch of the resnet, with both cores idle). The
+    pipelines built here read arrays already in memory and have nothing to tune: ``prefetch(AUTOTUNE)``
+    keeps growing its buffer by itself. A user's own ``tf.data.Dataset`` is left as given.
+
+    >>> untuned(tf.data.Dataset.range(3)).options().autotune.enabled
+    False
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 def python_batches(source):
@@ -343,7 +361,7 @@ def python_batches(source):
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     if isinstance(source, keras.utils.PyDataset):
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(source)))
-    return dataset
+    return untuned(dataset)
 
 
 def class_sample_weights(labels, class_weight):

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, network, precise_bn, rebuild
+from keras_cnnpar import arguments, data, network, precise_bn, rebuild
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import async_remote, base, loop
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -517,7 +517,7 @@ class _IndexedBatches:
     def dataset(self):
         """The epoch, repeated as one element: ``(whole, starts, sizes)``."""
         starts = np.cumsum(self.sizes) - self.sizes
-        return tf.data.Dataset.from_tensors((self.whole, starts, self.sizes)).repeat()
+        return data.untuned(tf.data.Dataset.from_tensors((self.whole, starts, self.sizes)).repeat())
 
     @staticmethod
     def batch(epoch, index):

@@ -40,7 +40,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import network, rebuild
+from keras_cnnpar import data, network, rebuild
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings, create
 from keras_cnnpar.subprocesses import library_command
@@ -122,8 +122,8 @@ class CoordinatorProcessRun(Run):
 
     def _train_epoch(self, epoch, batches, steps, element_spec):
         """Write the epoch's batches, let the coordinator train on them, load the weights; return the logs."""
-        epoch_dataset = tf.data.Dataset.from_generator(lambda: itertools.islice(batches, steps),
-                                                       output_signature=element_spec)
+        epoch_dataset = data.untuned(tf.data.Dataset.from_generator(lambda: itertools.islice(batches, steps),
+                                                                    output_signature=element_spec))
         epoch_dataset.save(str(self.folder / f"train-{epoch}"))
         optimizer = self.model.optimizer  # its rate, as callbacks left it; a schedule is the coordinator's own copy
         rate = None if rebuild.learning_rate_schedule(optimizer) else float(keras.ops.convert_to_numpy(
@@ -224,13 +224,15 @@ def main(folder, parent, private_network=False):
             "report": training.report(), "checkpoint": str(checkpoint.directory) if checkpoint else None,
             "completed_epochs": checkpoint.completed_epochs if checkpoint else 0}), flush=True)
         request = _receive()
-        validation = tf.data.Dataset.load(str(folder / "validation")) if request["validation_steps"] else None
+        validation = None
+        if request["validation_steps"]:
+            validation = data.untuned(tf.data.Dataset.load(str(folder / "validation")))
 
         def epoch_batches(epoch):
             message = _receive()
             if message["learning_rate"] is not None:
                 training.model.optimizer.learning_rate = message["learning_rate"]
-            return tf.data.Dataset.load(str(folder / message["train"]))
+            return data.untuned(tf.data.Dataset.load(str(folder / message["train"])))
 
         training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
         training.finalize(model)
