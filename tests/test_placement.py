@@ -96,11 +96,13 @@ def test_one_sgd_step_matches_single_within_1e_5(small_cnn, digits, microbatches
     assert max_weight_difference(single, placed) < 1e-5
 
 
-def test_images_given_as_integers_take_single_s_step(digits):
-    """A ``Rescaling`` first casts them; the stage timer took their gradient (None) and failed."""
+@pytest.mark.parametrize("rescaled", [True, False], ids=["rescaling first", "conv first"])
+def test_images_given_as_integers_take_single_s_step(rescaled, digits):
+    """With a ``Rescaling`` first, the stage timer took their gradient (None) and failed; with a convolution
+    first, it called the convolution on the integers, which Keras's model casts to its ``Input``'s float32."""
     def rescaling_cnn():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Rescaling(1 / 255),
+        model = keras.Sequential([keras.Input((28, 28, 1)), *([keras.layers.Rescaling(1 / 255)] if rescaled else []),
                                   keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.Flatten(),
                                   keras.layers.Dense(10)])
         model.compile(optimizer=keras.optimizers.SGD(0.1),

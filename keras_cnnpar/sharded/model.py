@@ -521,15 +521,15 @@ class ShardedModel(tf.Module):
                 y = inputs[0]
             else:
                 y = node.op(*inputs, training=training)
-                y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, node.tensor.sharded,
-                                                          node.tensor.batch_split))
+                y = relayout_keeping_logits(y, activation_layout(self.mesh, y.shape, node.tensor.sharded,
+                                                                 node.tensor.batch_split))
             values[node.output] = y
             if node.activity_regularizer is not None:
                 losses.append(node.activity_regularizer(y) / y.shape[0])
         if training:
             self.step.assign_add(1)
         y = values[self.output_key]
-        return dtensor.relayout(y, activation_layout(self.mesh, y.shape)), losses
+        return relayout_keeping_logits(y, activation_layout(self.mesh, y.shape)), losses
 
     def forward(self, x):
         """The model on numpy images (inference), as numpy probabilities."""
@@ -556,6 +556,21 @@ class ShardedModel(tf.Module):
 
 #: The old name of ``ShardedModel``, from when it took only ``keras.Sequential`` models.
 ShardedSequential = ShardedModel
+
+
+def relayout_keeping_logits(y, layout):
+    """``dtensor.relayout(y, layout)`` that keeps the logits Keras's softmax and sigmoid attach to their output.
+
+    Keras's crossentropy losses compute from those logits (``_keras_logits``) where the probabilities came from a
+    softmax or sigmoid: exact where probabilities round to 0 or 1. A relayout of the probabilities alone loses them;
+    the loss then clips the probabilities to ``[1e-7, 1 - 1e-7]``, which changes the loss and zeroes the gradient of
+    every example past the clip (inputs left unscaled, or a confident wrong prediction late in training).
+    """
+    moved = dtensor.relayout(y, layout)
+    logits = getattr(y, "_keras_logits", None)
+    if logits is not None:
+        moved._keras_logits = dtensor.relayout(logits, layout)
+    return moved
 
 
 def bytes_per_device(variable):

@@ -277,9 +277,10 @@ class StageTimes(keras.callbacks.Callback):
         self.seconds = []
         if not self.run.sequential:
             return  # a stage of a graph is not a chain of layers to time alone; the bubble is still logged
+        model = graph.unwrap(self.model)
         x = next(iter(self.train))[0]
-        x = x[: max(1, int(x.shape[0]) // self.run.strategy.microbatches)]
-        layers = {layer.name: layer for layer in graph.unwrap(self.model).layers}
+        x = tf.cast(x[: max(1, int(x.shape[0]) // self.run.strategy.microbatches)], model.inputs[0].dtype)  # as Keras
+        layers = {layer.name: layer for layer in model.layers}
         for stage in self.run.stages:
             seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
@@ -292,7 +293,7 @@ class StageTimes(keras.callbacks.Callback):
 
 def _time_stage(layers, x, repeats=5):
     """Median seconds of forward + backward through ``layers`` on ``x``; and the stage's output. The gradient
-    reaches ``x`` where it is a float (not the images of a first stage given as integers)."""
+    reaches ``x`` where it is a float (not the input of a model whose ``Input`` takes integers)."""
     variables, floating = [w for layer in layers for w in layer.trainable_weights], x.dtype.is_floating
 
     @tf.function
