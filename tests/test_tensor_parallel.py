@@ -99,6 +99,24 @@ def test_a_saturated_softmax_gets_keras_s_loss_and_gradient_from_its_logits(stra
     assert max_weight_difference(single, sharded) < 1e-4
 
 
+@pytest.mark.parametrize("loss", ["binary_crossentropy", "crossentropy"])
+def test_a_binary_classifier_with_labels_of_shape_n_takes_single_s_step(loss, batch):
+    """Keras's compile wraps a loss function so that labels of shape (n,) meet predictions of (n, 1), and reads
+    "crossentropy" by the shapes; the mesh step called the function itself and failed on the ranks."""
+    def trained(strategy):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                                  keras.layers.Flatten(), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        history = cnnpar.fit(model, batch[0], (batch[1] % 2).astype("float32"), strategy=strategy, batch_size=32,
+                             shuffle=False, verbose=0, results_dir=None)
+        return model, history.history["loss"][0]
+
+    (single, single_loss), (sharded, sharded_loss) = trained("single"), trained(cnnpar.ChannelSharded(2))
+    assert sharded_loss == pytest.approx(single_loss, rel=1e-5)
+    assert max_weight_difference(single, sharded) < 1e-5
+
+
 @pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adam with a schedule"])
 def test_two_steps_match_single_within_1e_4(strategy, optimizer, few_digits):

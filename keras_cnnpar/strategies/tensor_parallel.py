@@ -8,6 +8,7 @@ import typing
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.trainers.compile_utils import get_loss
 from tensorflow.experimental import dtensor
 
 from keras_cnnpar import arguments, fused, rebuild, sharded, user_callbacks
@@ -221,24 +222,21 @@ class Hybrid(ChannelSharded):
 
 
 def _weighted_loss(model):
-    """The compiled loss of ``model`` (one output) as ``loss(y_true, y_pred, sample_weight=None)``, reduced as Keras
-    reduces it (the weighted losses summed over the batch size), times its ``loss_weights`` when given.
+    """The compiled loss of ``model`` (one output) as ``loss(y_true, y_pred, sample_weight=None)``, resolved, weighted
+    and reduced as Keras's ``compile`` does (labels of shape ``(n,)`` against predictions of ``(n, 1)``, the
+    ``"crossentropy"`` alias, the weighted losses summed over the batch size), times its ``loss_weights`` when given.
 
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     >>> model.compile(loss="mse", loss_weights=[0.5])
     >>> float(_weighted_loss(model)(np.ones((2, 1)), np.zeros((2, 1)), sample_weight=np.array([1.0, 0.0])))
     0.25
     """
-    loss, weight = keras.losses.get(model.loss), model.get_compile_config().get("loss_weights")
+    weight = model.get_compile_config().get("loss_weights")
     (weight,) = [1.0] if weight is None else weight.values() if isinstance(weight, dict) else np.atleast_1d(weight)
 
     def weighted(y_true, y_pred, sample_weight=None):
-        if isinstance(loss, keras.losses.Loss):  # it reduces, and takes the weights itself
-            return float(weight) * loss(y_true, y_pred, sample_weight=sample_weight)
-        values = loss(y_true, y_pred)
-        if sample_weight is not None:
-            values = values * tf.cast(sample_weight, values.dtype)
-        return float(weight) * tf.reduce_mean(values)
+        loss = get_loss(model.loss, y_true, y_pred)  # a function comes wrapped, the labels' rank matched
+        return float(weight) * loss(y_true, y_pred, sample_weight=sample_weight)
 
     return weighted
 
