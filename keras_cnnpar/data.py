@@ -319,7 +319,8 @@ def untuned(dataset):
     wake. Keras's ``fit`` makes a new iterator each epoch and deletes the last one, so an epoch could start
     seconds late (1.8-2.5 s measured, every second or third epoch of the resnet, with both cores idle). The
     pipelines built here read arrays already in memory and have nothing to tune: ``prefetch(AUTOTUNE)``
-    keeps growing its buffer by itself. A user's own ``tf.data.Dataset`` is left as given.
+    keeps growing its buffer by itself. A user's own ``tf.data.Dataset`` is left as given, and so are the batches
+    of a generator or ``PyDataset`` (:func:`python_batches`), whose ``on_epoch_end`` runs when a pass is read.
 
     >>> untuned(tf.data.Dataset.range(3)).options().autotune.enabled
     False
@@ -361,7 +362,7 @@ def python_batches(source):
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     if isinstance(source, keras.utils.PyDataset):
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(source)))
-    return untuned(dataset)
+    return dataset
 
 
 def class_sample_weights(labels, class_weight):

@@ -173,16 +173,19 @@ def normalized_stack(seed=0):
 
 
 class PeakMemory(keras.callbacks.Callback):
-    """The CPU allocator's peak after the first epoch (which traces the step), above what was in use at the start."""
+    """The CPU allocator's highest epoch peak after the first epoch (which traces the step), above what was in use
+    at the start. The highest: under MirroredStrategy the peak depends on how far the replicas' steps overlap, and
+    one epoch read a third lower than the next when other work held the cores."""
 
     def on_train_begin(self, logs=None):
-        self.base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        self.base, self.bytes = tf.config.experimental.get_memory_info("CPU:0")["current"], 0
 
     def on_epoch_begin(self, epoch, logs=None):
         tf.config.experimental.reset_memory_stats("CPU:0")
 
-    def on_train_end(self, logs=None):
-        self.bytes = tf.config.experimental.get_memory_info("CPU:0")["peak"] - self.base
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch:
+            self.bytes = max(self.bytes, tf.config.experimental.get_memory_info("CPU:0")["peak"] - self.base)
 
 
 @pytest.mark.parametrize("strategy, devices, bound", [(cnnpar.ChannelSharded(2), 2, 1.1),
@@ -196,7 +199,7 @@ def test_a_normalized_cnn_holds_about_what_data_parallel_holds_per_device(strate
     peaks = {}
     for candidate in (cnnpar.DataParallel(devices), strategy):
         peaks[candidate.alias] = PeakMemory()
-        cnnpar.fit(normalized_stack(), x, y, strategy=candidate, epochs=2, batch_size=64, verbose=0,
+        cnnpar.fit(normalized_stack(), x, y, strategy=candidate, epochs=4, batch_size=64, verbose=0,
                    callbacks=[peaks[candidate.alias]], results_dir=None)
     assert peaks[strategy.alias].bytes < bound * peaks["mirrored"].bytes
 
