@@ -29,7 +29,8 @@ from keras_cnnpar import graph
 
 
 class PreciseBatchNorm:
-    """Recomputes the moving statistics of a model's top-level BatchNormalization layers.
+    """Recomputes the moving statistics of a model's top-level BatchNormalization layers, except frozen ones
+    (``trainable = False``: Keras normalizes with their moving statistics and keeps them).
 
     The statistics are computed on a local copy of the model (so that a model
     whose variables live elsewhere, on parameter servers, is only read and
@@ -42,7 +43,8 @@ class PreciseBatchNorm:
     """
 
     def __init__(self, model):
-        self.norms = [i for i, layer in enumerate(model.layers) if isinstance(layer, keras.layers.BatchNormalization)]
+        self.norms = [i for i, layer in enumerate(model.layers)
+                      if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
         self.copy = self.statistics = None
         if not self.norms or not graph.is_graph(model):
             return

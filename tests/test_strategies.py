@@ -330,6 +330,41 @@ def test_fit_leaves_the_strategy_as_it_was_and_a_second_fit_owes_nothing_to_the_
         strategy.accumulate = 2
 
 
+def frozen_cnn():
+    """A CNN whose first convolution and BatchNormalization are frozen, as for fine-tuning, compiled with Adam."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu", name="frozen_conv"),
+        keras.layers.BatchNormalization(name="frozen_norm"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10, activation="softmax"),
+    ])
+    for name in ("frozen_conv", "frozen_norm"):
+        model.get_layer(name).trainable = False
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    return cnnpar.parallel(model)
+
+
+@pytest.mark.parametrize("alias", [*IN_PROCESS, "async-ps"])
+def test_frozen_layers_keep_their_weights_and_the_rest_trains_as_keras_trains_it(alias, few_digits):
+    """Fine-tuning. Channels and hybrid counted a frozen layer's weights as trainable (the optimizer's state did not
+    fit them: "cannot reshape array of size 8 into shape (3,3,1,8)"), and their BatchNormalization normalized a
+    frozen layer with the batch's statistics; AsyncPS's precise BN recomputed a frozen layer's moving statistics
+    (moved by 1.0). Keras leaves a frozen layer's weights and statistics as they are. (AsyncPS's two steps fall in
+    its warm-up, where nothing is stale.)"""
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    keras_model, model = frozen_cnn(), frozen_cnn()
+    frozen = [w.copy() for name in ("frozen_conv", "frozen_norm") for w in model.get_layer(name).get_weights()]
+    expected = keras_model.fit(x, y, batch_size=64, shuffle=False, verbose=0).history["loss"]
+    history = model.fit(x, y, strategy=alias, batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    after = [w for name in ("frozen_conv", "frozen_norm") for w in model.get_layer(name).get_weights()]
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(frozen, after)) == 0.0
+    assert history.history["loss"] == pytest.approx(expected, rel=1e-5)
+    assert max_weight_difference(model, keras_model) < 1e-4
+
+
 def test_replace_makes_a_changed_copy_and_refuses_options_the_strategy_does_not_take():
     strategy = cnnpar.DataParallel(2, accumulate=2)
     assert (strategy.replace(accumulate=4).accumulate, strategy.accumulate) == (4, 2)

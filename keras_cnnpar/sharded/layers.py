@@ -139,11 +139,14 @@ def weight_regularizers(layer):
 class WeightedModule(tf.Module):
     """A module whose weights are DVariables that mirror a Keras layer's: its order, shapes and trainable flags."""
 
-    #: The DVariables in the Keras twin's weight order, and how many of them (the first) are trainable.
-    variables_in_order, trainable_count = (), 0
+    #: The DVariables in the Keras twin's weight order.
+    variables_in_order = ()
 
     def __init__(self, layer):
         super().__init__(name=module_name(layer.name))
+        #: How many of ``variables_in_order`` (the first) the optimizer updates: the Keras layer's trainable
+        #: weights, none where the layer is frozen (``layer.trainable = False``), as Keras's ``fit`` leaves them.
+        self.trainable_count = len(layer.trainable_weights)
         #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order.
         self.regularizers = weight_regularizers(layer)
 
@@ -225,7 +228,6 @@ class ShardedLayer(WeightedModule):
         self.bias = dtensor.DVariable(to_mesh(np.zeros(kernel_shape[-1:], dtype), bias_layout), name="bias") \
             if self.use_bias else None
         self.variables_in_order = [self.kernel] + ([self.bias] if self.use_bias else [])
-        self.trainable_count = len(self.variables_in_order)
         self.set_weights(layer.get_weights())
         #: The dtype of the layer's arithmetic: its input, kernel and bias are cast to it (weights keep theirs).
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
@@ -361,7 +363,7 @@ class ShardedSeparableConv2D(ChannelShardedConv2D):
         self.regularizers = weight_regularizers(layer)
         self.keras_shapes = [tuple(w.shape) for w in layer.weights]
         self.variables_in_order = [*self.depthwise.variables_in_order, *self.variables_in_order]
-        self.trainable_count = len(self.variables_in_order)
+        self.trainable_count = len(layer.trainable_weights)  # the user's layer's, not its pointwise twin's
 
     @property
     def input_gradient(self):
@@ -506,12 +508,13 @@ class ShardedBatchNormalization(LayoutKeeping):
         variables = self._mirror_weights(layer, channels_sharded)
         self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
         self.moving_mean, self.moving_variance = variables["moving_mean"], variables["moving_variance"]
-        self.trainable_count = int(layer.scale) + int(layer.center)
+        #: A frozen BatchNormalization normalizes with its moving statistics and keeps them, as in Keras.
+        self.trainable = layer.trainable
 
     def __call__(self, x, training=False):
         dtype = x.dtype
         x = tf.cast(x, tf.float64 if dtype == tf.float64 else tf.float32)
-        if training:
+        if training and self.trainable:
             mean, variance = self._moments(x)
             self.moving_mean.assign(self.moving_mean * self.momentum + self._replica_mean(mean) * (1 - self.momentum))
             self.moving_variance.assign(self.moving_variance * self.momentum
@@ -580,7 +583,6 @@ class ShardedDepthwiseConv2D(LayoutKeeping):
         self.window, self.strides, self.padding = tuple(layer.kernel_size), tuple(layer.strides), layer.padding
         self.activation = layer.activation
         self._mirror_weights(layer, channels_sharded=False)  # the kernels and the bias whole: few, and computed whole
-        self.trainable_count = len(self.variables_in_order)
         #: The dtype of the layer's arithmetic, as a sharded layer's (``ShardedModel`` sets it for mixed precision).
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
@@ -678,7 +680,6 @@ class ShardedLayerNormalization(LayoutKeeping):
         self.epsilon, self.rms_scaling = layer.epsilon, layer.rms_scaling
         variables = self._mirror_weights(layer, channels_sharded)
         self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
-        self.trainable_count = len(self.variables_in_order)
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
     def __call__(self, x, training=False):
