@@ -7,7 +7,7 @@ sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
 blocks (Normalization, squeeze and excitation); separable convolutions;
 ConvNeXt's LayerNormalization; global pooling with and without ``keepdims``;
-Dense logits without a softmax; weight and activity regularizers (in
+Dense layers on every pixel's channels; Dense logits without a softmax; weight and activity regularizers (in
 float32). One SGD step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must
 give Single's weights, BatchNormalization's moving statistics included: within
 1e-9 in float64 (the same arithmetic, summed in another order) and 1e-4 in
@@ -142,8 +142,18 @@ def layer_normalized(x):
     return L.Dense(10)(L.LayerNormalization()(L.GlobalAveragePooling2D()(x)))
 
 
+def per_pixel_dense(x):
+    """Dense layers on every pixel's channels (a 1x1 convolution written as Dense, MLP-Mixer's channel MLP): two
+    between convolutions (column, then row), a residual Add, pooling, a third before global pooling, Dense logits.
+    The sharded Dense took only a 2-D input (or a folded Flatten's) and failed on the first step."""
+    x = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    mixed = L.Dense(8)(L.Dense(16, activation="gelu")(x))
+    x = L.MaxPooling2D()(L.Add()([x, mixed]))
+    return L.Dense(10)(L.GlobalAveragePooling2D()(L.Dense(12, activation="relu")(x)))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable, layer_normalized]
+          squeeze_excited, separable, layer_normalized, per_pixel_dense]
 
 
 @functools.cache

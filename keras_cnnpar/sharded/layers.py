@@ -387,7 +387,9 @@ class ShardedDense(ShardedLayer):
     ``Flatten`` it absorbed (``input_shape=(h, w, c)``): the kernel is then held
     as ``(h, w, c, units)`` and sharded on ``c``, so channels sharded by the
     convolution before need no gather. ``get_weights`` returns Keras's
-    ``(h*w*c, units)`` kernel, in ``Flatten``'s order.
+    ``(h*w*c, units)`` kernel, in ``Flatten``'s order. An input with more axes
+    than the kernel reads (a Dense on every pixel's channels) keeps the others,
+    as Keras's Dense does.
 
     Example:
 
@@ -417,8 +419,13 @@ class ShardedDense(ShardedLayer):
         super().__init__(layer, mesh, mode, (*input_shape, layer.units))
 
     def __call__(self, x, training=False):
-        axes, x = "hwc"[-(x.shape.rank - 1):], self._mode_input(x)
-        y = tf.einsum(f"b{axes},{axes}o->bo", tf.cast(x, self.compute_dtype), tf.cast(self.kernel, self.compute_dtype))
+        # The kernel's input axes (one, or a folded Flatten's three) meet x's last ones; the axes before them (the
+        # batch, and the spatial axes of an input that was not flattened) stay, as Keras's Dense keeps them.
+        axes = "hwc"[-(self.kernel.shape.rank - 1):]
+        kept = "bij"[:x.shape.rank - len(axes)]
+        x = self._mode_input(x)
+        y = tf.einsum(f"{kept}{axes},{axes}o->{kept}o", tf.cast(x, self.compute_dtype),
+                      tf.cast(self.kernel, self.compute_dtype))
         return self._finish(dtensor.relayout(y, self._output_layout(y)))
 
 
