@@ -7,11 +7,11 @@ sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
 blocks (Normalization, squeeze and excitation); separable convolutions;
 ConvNeXt's LayerNormalization; global pooling with and without ``keepdims``;
-Dense layers on every pixel's channels; Dense logits without a softmax; weight and activity regularizers (in
-float32). One SGD step under ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must
-give Single's weights, BatchNormalization's moving statistics included: within
-1e-9 in float64 (the same arithmetic, summed in another order) and 1e-4 in
-float32.
+Dense layers on every pixel's channels; Dense logits without a softmax; weight
+and activity regularizers (in float32); weight constraints. One SGD step under
+``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's weights,
+BatchNormalization's moving statistics included: within 1e-9 in float64 (the
+same arithmetic, summed in another order) and 1e-4 in float32.
 """
 
 import functools
@@ -152,8 +152,21 @@ def per_pixel_dense(x):
     return L.Dense(10)(L.GlobalAveragePooling2D()(L.Dense(12, activation="relu")(x)))
 
 
+def constrained(x):
+    """Weight constraints, which Keras's optimizer applies after every update: MaxNorm on a convolution's kernel,
+    NonNeg on the next one's, MinMaxNorm on BN's gamma (a norm over channels that may be sharded), UnitNorm on a
+    Dense kernel held in another shape (a folded Flatten's) and NonNeg on its bias. The mesh's optimizer left them
+    out (its steps unconstrained); applied inside the step function, they undid the update."""
+    x = L.Conv2D(8, 3, padding="same", activation="relu",
+                 kernel_constraint=keras.constraints.MaxNorm(0.1, [0, 1, 2]))(x)
+    x = L.Conv2D(8, 3, padding="same", kernel_constraint="non_neg")(x)
+    x = L.BatchNormalization(gamma_constraint=keras.constraints.MinMaxNorm(0.5, 1.0))(x)
+    x = L.MaxPooling2D()(L.ReLU()(x))
+    return L.Dense(10, kernel_constraint=keras.constraints.UnitNorm(0), bias_constraint="non_neg")(L.Flatten()(x))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable, layer_normalized, per_pixel_dense]
+          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained]
 
 
 @functools.cache

@@ -130,10 +130,9 @@ Received: dilation_rate=(2, 2)
                              f"{key}={config[key]!r}. Received: {key}={config[key]!r}")
 
 
-def weight_regularizers(layer):
-    """``layer``'s weight regularizers in its weight order; None where a weight has none or is not trainable
-    (Keras regularizes trainable weights only)."""
-    return tuple(w.regularizer if w.trainable else None for w in layer.weights)
+def in_shape(variable, shape):
+    """``variable``'s value in ``shape`` (its Keras twin's), reshaped only where the two differ."""
+    return variable.read_value() if tuple(variable.shape) == tuple(shape) else tf.reshape(variable, shape)
 
 
 class WeightedModule(tf.Module):
@@ -144,17 +143,31 @@ class WeightedModule(tf.Module):
 
     def __init__(self, layer):
         super().__init__(name=module_name(layer.name))
+        self._train_as(layer)
+
+    def _train_as(self, layer):
+        """Take the Keras ``layer``'s training settings: which weights train, their regularizers and constraints."""
         #: How many of ``variables_in_order`` (the first) the optimizer updates: the Keras layer's trainable
         #: weights, none where the layer is frozen (``layer.trainable = False``), as Keras's ``fit`` leaves them.
         self.trainable_count = len(layer.trainable_weights)
-        #: The Keras twin's weight regularizers (``kernel_regularizer`` and kin) in its weight order.
-        self.regularizers = weight_regularizers(layer)
+        #: The weights' regularizers and constraints (``kernel_regularizer``, ``kernel_constraint`` and kin) in the
+        #: Keras weight order; None where a weight has none or does not train (Keras applies them to those only).
+        self.regularizers, self.constraints = ([getattr(w, name) if w.trainable else None for w in layer.weights]
+                                               for name in ("regularizer", "constraint"))
 
     def regularization_losses(self):
         """The Keras twin's weight regularizers applied to the DVariables in its shapes, as ``layer.losses`` are."""
-        return [regularizer(v if tuple(v.shape) == shape else tf.reshape(v, shape))
+        return [regularizer(in_shape(v, shape))
                 for v, shape, regularizer in zip(self.variables_in_order, self.keras_shapes, self.regularizers)
                 if regularizer is not None]
+
+    def apply_constraints(self):
+        """Project the weights with the Keras twin's constraints, in its shapes, as Keras's optimizer does after
+        every update."""
+        for v, shape, constraint in zip(self.variables_in_order, self.keras_shapes, self.constraints):
+            if constraint is not None:
+                projected = tf.reshape(constraint(in_shape(v, shape)), v.shape)
+                v.assign(dtensor.relayout(projected, v.layout))
 
     @property
     def trainable_in_order(self):
@@ -360,10 +373,9 @@ class ShardedSeparableConv2D(ChannelShardedConv2D):
         pointwise.set_weights([w.numpy() for w in layer.weights[1:]])
         super().__init__(pointwise, mesh, mode)
         self.depthwise = ShardedDepthwiseConv2D(depthwise, mesh, channels_sharded)
-        self.regularizers = weight_regularizers(layer)
+        self._train_as(layer)  # the user's layer, not its pointwise twin
         self.keras_shapes = [tuple(w.shape) for w in layer.weights]
         self.variables_in_order = [*self.depthwise.variables_in_order, *self.variables_in_order]
-        self.trainable_count = len(layer.trainable_weights)  # the user's layer's, not its pointwise twin's
 
     @property
     def input_gradient(self):

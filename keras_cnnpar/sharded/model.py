@@ -494,6 +494,17 @@ class ShardedModel(tf.Module):
         """The trainable DVariables in the Keras model's order (``model.trainable_weights``)."""
         return [v for layer in self.weighted for v in layer.trainable_in_order]
 
+    @property
+    def constrained(self):
+        """Whether any weight has a Keras constraint."""
+        return any(c is not None for layer in self.weighted for c in layer.constraints)
+
+    def apply_constraints(self):
+        """Project every weight with its Keras constraint (``kernel_constraint`` and kin), as Keras's optimizer does
+        after each update."""
+        for layer in self.weighted:
+            layer.apply_constraints()
+
     def get_weights(self):
         """Numpy weights in the Keras model's order and shapes."""
         return [w for layer in self.weighted for w in layer.get_weights()]

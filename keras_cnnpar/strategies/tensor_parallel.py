@@ -242,7 +242,8 @@ def _weighted_loss(model):
 
 
 def _steps(sharded, optimizer, loss_fn):
-    """The training and test steps, each one ``tf.function`` on the mesh; both return (loss, predictions)."""
+    """The training and test steps, each one ``tf.function`` on the mesh (the training step followed by a second
+    for the weights' constraints, where the model has any); both return (loss, predictions)."""
     mesh = sharded.mesh
 
     def loss_and_predictions(x, y, sample_weight, training):
@@ -267,7 +268,18 @@ def _steps(sharded, optimizer, loss_fn):
         loss, y_pred = loss_and_predictions(x, y, sample_weight, False)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
-    return train_step, test_step
+    if not sharded.constrained:
+        return train_step, test_step
+    constrain = tf.function(sharded.apply_constraints)
+
+    def constrained_step(*args, **kwargs):
+        # The weights' constraints after the update, in a function of their own: inside the step, DTensor did not
+        # order their read after the optimizer's assignment, and they undid the update (tests/test_functional_corpus).
+        result = train_step(*args, **kwargs)
+        constrain()
+        return result
+
+    return constrained_step, test_step
 
 
 def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_list=None):
