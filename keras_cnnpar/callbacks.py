@@ -16,6 +16,7 @@ Example:
 """
 
 import csv
+import io
 import os
 import tempfile
 import time
@@ -36,7 +37,9 @@ class EpochLogger(keras.callbacks.Callback):
     Follows ``keras.callbacks.CSVLogger``'s lifecycle: the file opens in
     ``on_train_begin``, gets one flushed row per epoch, and closes in
     ``on_train_end``. Columns are ``epoch`` (1-based) then the rest sorted by
-    name. The run writes its own file (``RunInfo.epoch_csv``, under
+    name; a column first seen after the first epoch (validation every
+    ``validation_freq`` epochs) rewrites the file with it, earlier rows blank
+    there (``keras.callbacks.CSVLogger`` drops it). The run writes its own file (``RunInfo.epoch_csv``, under
     ``runs/<run id>/``), created once its first epoch is complete, and after
     every epoch copies it whole onto the configuration's file
     (``RunInfo.view_csv``, the latest run's): a run that fails before its
@@ -79,11 +82,10 @@ class EpochLogger(keras.callbacks.Callback):
                                                        dir=self.view.parent)  # the run's folder comes with epoch 1
         os.fchmod(descriptor, created_mode())
         self._file = os.fdopen(descriptor, "w", newline="", encoding="utf-8")
-        self._writer = csv.DictWriter(self._file, header) if header else None
-        if self._writer is not None:
-            self._writer.writeheader()
-            self._writer.writerows(kept)
-        self.rows = []
+        self._kept, self.rows = kept, []
+        self._writer = None
+        if header:
+            self._rewrite(header)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()
@@ -108,10 +110,10 @@ class EpochLogger(keras.callbacks.Callback):
             "devices": self.info.devices,
             "global_batch": self.info.global_batch,
         }
-        if self._writer is None:
-            self._writer = csv.DictWriter(self._file, ["epoch", *sorted(set(row) - {"epoch"})])
-            self._writer.writeheader()
-        self._writer.writerow({key: row.get(key, "") for key in self._writer.fieldnames})
+        columns = self._writer.fieldnames if self._writer else ["epoch"]
+        if set(row) - set(columns):
+            self._rewrite(["epoch", *sorted((set(columns) | set(row)) - {"epoch"})])
+        self._writer.writerow(row)
         self._file.flush()
         if self._temporary is not None:  # the first complete epoch: the new file takes the old one's place
             os.fsync(self._file.fileno())
@@ -124,6 +126,23 @@ class EpochLogger(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.close()
+
+    def _rewrite(self, columns):
+        """Write the header of ``columns`` and the rows so far again (blank where a row lacks a column); the run's
+        file, once it has its first epoch, is replaced whole, never left half-written."""
+        text = io.StringIO()
+        writer = csv.DictWriter(text, columns, restval="")
+        writer.writeheader()
+        writer.writerows(self._kept + self.rows)
+        if self._temporary is None:
+            self._file.close()
+            write_atomic(self.path, text.getvalue())
+            self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (close() closes it)
+        else:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(text.getvalue())
+        self._writer = csv.DictWriter(self._file, columns, restval="")
 
     def close(self):
         """Close the file. A new file that never completed an epoch goes and the previous one stays; after a

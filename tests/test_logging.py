@@ -58,6 +58,20 @@ def test_epoch_csv_has_one_row_per_epoch_flushed_during_training(small_cnn, tmp_
         assert float(r["val_accuracy"]) == pytest.approx(val_accuracy, abs=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["single", "channels"])  # Keras's own fit, and a loop of ours
+def test_validation_every_other_epoch_gets_its_columns_in_the_epoch_csv(small_cnn, tmp_path, train, strategy):
+    """The columns came from the first epoch's logs: with ``validation_freq=2`` the validation of epoch 2 was
+    left out of the file (as ``keras.callbacks.CSVLogger`` leaves it out)."""
+    history = train(small_cnn(), tmp_path, strategy=strategy, epochs=3, validation_freq=2)
+    run = read(tmp_path / "runs.csv")[0]
+    rows = read(tmp_path / run["epoch_csv"])
+    assert list(rows[0]) == EPOCH_COLUMNS
+    assert [(r["epoch"], r["val_loss"] != "") for r in rows] == [("1", False), ("2", True), ("3", False)]
+    assert float(rows[1]["val_loss"]) == pytest.approx(history.history["val_loss"][0], rel=1e-6)
+    view = tmp_path / CSV_NAME.format(f"{run['strategy']}_{run['devices']}dev")
+    assert (tmp_path / run["epoch_csv"]).read_bytes() == view.read_bytes()
+
+
 def test_runs_csv_gets_a_row_per_run_with_speedup_against_single(small_cnn, tmp_path, train):
     train(small_cnn(), tmp_path, epochs=3)
     train(small_cnn(), tmp_path, strategy="mirrored", epochs=3)

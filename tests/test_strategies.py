@@ -330,6 +330,20 @@ def test_fit_leaves_the_strategy_as_it_was_and_a_second_fit_owes_nothing_to_the_
         strategy.accumulate = 2
 
 
+@pytest.mark.parametrize("alias", ["channels", "hybrid", "async-ps"])  # the others train with Keras's own fit
+def test_validation_freq_validates_after_the_epochs_keras_validates_after(alias, few_digits, tmp_path):
+    """The loops of the mesh and of AsyncPS refused ``validation_freq``."""
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    keras_model, model = build_small_cnn(), build_small_cnn()
+    settings = {"batch_size": 64, "epochs": 3, "shuffle": False, "verbose": 0, "validation_data": (x[:64], y[:64]),
+                "validation_freq": [1, 3]}
+    expected = keras_model.fit(x, y, **settings).history
+    history = model.fit(x, y, strategy=alias, results_dir=tmp_path, **settings).history
+    assert len(history["loss"]) == 3
+    assert history["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+    assert len(history["val_loss"]) == 2
+
+
 def frozen_cnn():
     """A CNN whose first convolution and BatchNormalization are frozen, as for fine-tuning, compiled with Adam."""
     keras.utils.set_random_seed(0)

@@ -275,7 +275,7 @@ class AsyncRun(base.Run):
         return "\n".join(line for line in lines if line)
 
     def fit(self, epoch_batches, *, epochs=1, steps_per_epoch, validation_data=None, validation_steps=None,
-            callbacks=None, initial_epoch=0, verbose=1):
+            validation_freq=1, callbacks=None, initial_epoch=0, verbose=1):
         """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
         finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
         strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
@@ -299,6 +299,7 @@ class AsyncRun(base.Run):
         return loop.run_epochs(
             prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
             initial_epoch=initial_epoch, validate=validate if evaluator is not None else None,
+            validation_freq=validation_freq,
             epoch_guard=self._parameter_servers_kept,
             after_epoch=(lambda epoch: self.checkpoint.save(completed_epochs=epoch + 1))
             if self.checkpoint else None)

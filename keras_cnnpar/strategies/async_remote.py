@@ -88,13 +88,15 @@ class CoordinatorProcessRun(Run):
         return self.coordinator_report
 
     def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
-            steps_per_epoch=None, validation_steps=None, **unsupported):
+            steps_per_epoch=None, validation_steps=None, validation_freq=1, **unsupported):
         steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
+        loop.validates_after(0, validation_freq)  # a bad value fails here, before the coordinator trains
         if validation_data is not None:
             validation_steps = validation_steps or loop.finite_steps(validation_data, "validation")
             validation_data.take(validation_steps).save(str(self.folder / "validation"))
         self._send({"epochs": epochs, "initial_epoch": initial_epoch, "steps_per_epoch": steps,
-                    "validation_steps": validation_steps if validation_data is not None else None})
+                    "validation_steps": validation_steps if validation_data is not None else None,
+                    "validation_freq": validation_freq if isinstance(validation_freq, int) else list(validation_freq)})
         batches = iter(train.repeat())  # one iterator, epoch after epoch, as Keras's fit reads it
         try:
             history = loop.run_epochs(

@@ -3,17 +3,19 @@
 The loop keeps Keras's callback order: ``on_train_begin``, then per epoch
 ``on_epoch_begin``, the strategy's training (which calls the batch-level
 callbacks it can), validation between ``on_test_begin`` and ``on_test_end``
-with its results added as ``val_*``, and ``on_epoch_end``. It honours
-``initial_epoch`` and ``model.stop_training`` and returns the ``History``.
+with its results added as ``val_*`` (after the epochs ``validation_freq`` names),
+and ``on_epoch_end``. It honours ``initial_epoch`` and ``model.stop_training``
+and returns the ``History``.
 """
 
+import collections.abc
 import contextlib
 
 import keras
 
 
 def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, initial_epoch=0, validate=None,
-               epoch_guard=None, after_epoch=None):
+               validation_freq=1, epoch_guard=None, after_epoch=None):
     """Run ``train_epoch(epoch, callback_list) -> logs`` for each epoch with Keras's callbacks; return the History.
 
     Args:
@@ -21,11 +23,13 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
         train_epoch: trains one epoch and returns its logs.
         epochs, steps, callbacks, verbose, initial_epoch: as in ``keras.Model.fit``.
         validate: None, or a function returning the validation results as a dict.
+        validation_freq: as in ``keras.Model.fit`` (see :func:`validates_after`).
         epoch_guard: None, or a function of the epoch returning a context manager
             that wraps the epoch (to turn a lost peer into a clear error).
         after_epoch: None, or a function of the epoch called after ``on_epoch_end``
             (to write a checkpoint).
     """
+    validates_after(0, validation_freq)  # a bad value fails before training starts
     callback_list = keras.callbacks.CallbackList(
         callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose, epochs=epochs, steps=steps,
         model=model)
@@ -37,7 +41,7 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
         with (epoch_guard or (lambda _: contextlib.nullcontext()))(epoch):
             callback_list.on_epoch_begin(epoch)
             logs = train_epoch(epoch, callback_list)
-            if validate is not None:
+            if validate is not None and validates_after(epoch, validation_freq):
                 callback_list.on_test_begin()
                 results = validate()
                 callback_list.on_test_end(results)
@@ -49,6 +53,24 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
             break
     callback_list.on_train_end()
     return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
+
+
+def validates_after(epoch, validation_freq):
+    """Whether Keras's ``fit`` validates after ``epoch`` (counted from 0) with ``validation_freq``: an int ``n``,
+    every ``n``-th epoch, or a list of the epochs (counted from 1).
+
+    >>> [validates_after(epoch, 2) for epoch in range(4)], validates_after(2, [1, 3])
+    ([False, True, False, True], True)
+    >>> validates_after(0, 0)
+    Traceback (most recent call last):
+    ValueError: validation_freq must be a positive int or a list of epochs (counted from 1). Received: validation_freq=0
+    """
+    if isinstance(validation_freq, int) and not isinstance(validation_freq, bool) and validation_freq > 0:
+        return (epoch + 1) % validation_freq == 0
+    if isinstance(validation_freq, collections.abc.Container) and not isinstance(validation_freq, str):
+        return epoch + 1 in validation_freq
+    raise ValueError("validation_freq must be a positive int or a list of epochs (counted from 1). "
+                     f"Received: validation_freq={validation_freq!r}")
 
 
 def epoch_steps(strategy, train, steps_per_epoch, unsupported):

@@ -132,7 +132,7 @@ class MeshRun(base.Run):
         return self.sharded.report()
 
     def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
-            steps_per_epoch=None, validation_steps=None, **unsupported):
+            steps_per_epoch=None, validation_steps=None, validation_freq=1, **unsupported):
         prepared = self.model
         steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
         batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
@@ -151,7 +151,7 @@ class MeshRun(base.Run):
                                 or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh)
 
         return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
-                               verbose=verbose, initial_epoch=initial_epoch,
+                               verbose=verbose, initial_epoch=initial_epoch, validation_freq=validation_freq,
                                validate=validate if validation_data is not None else None)
 
     def reload(self):
