@@ -294,9 +294,10 @@ def split(digits, *, validation_fraction=0.2, seed=0):
     return digits.subset(train), digits.subset(val)
 
 
-def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
+def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None, take=None):
     """A cached, optionally shuffled, batched and prefetched ``tf.data.Dataset`` of ``(x, y)``, or of
     ``(x, y, sample_weight)`` where weights are given; ``x`` and ``y`` may be tuples or dicts of arrays.
+    ``take``: how many examples of each (shuffled) pass it batches; all by default.
 
     Shuffling reshuffles every epoch and follows TensorFlow's global seed
     (``keras.utils.set_random_seed``) and ``seed``; processes that share both
@@ -308,6 +309,8 @@ def pipeline(x, y, batch_size, *, sample_weight=None, shuffle=True, seed=None):
     dataset = tf.data.Dataset.from_tensor_slices(examples).cache()
     if shuffle:
         dataset = dataset.shuffle(len(tf.nest.flatten(x)[0]), seed=seed, reshuffle_each_iteration=True)
+    if take is not None:
+        dataset = dataset.take(take)
     return untuned(dataset.batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 

@@ -226,14 +226,20 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
             raise ValueError(f"class_weight is for a model with one output; give sample_weight instead. Received: "
                              f"y with {len(tf.nest.flatten(y))} outputs")
         weights = data_lib.class_sample_weights(y, class_weight).numpy()
-    train, steps = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate, strategy.steps_per_execution,
-                                  shuffle=bool(shuffle), seed=strategy.shuffle_seed)
+    if batch_size * strategy.accumulate < strategy.smallest_batch:
+        raise ValueError(f"{strategy!r} splits every batch over its {strategy.num_replicas} replicas, so a batch needs "
+                         f"at least {strategy.num_replicas} examples (TensorFlow fails on an empty replica batch). "
+                         f"Received: batch_size={batch_size}")
+    train, steps, samples = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate,
+                                           strategy.steps_per_execution, shuffle=bool(shuffle),
+                                           seed=strategy.shuffle_seed, smallest_batch=strategy.smallest_batch)
     steps = {"steps_per_epoch": steps}
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
         arrays = [_arrays(a) for a in validation_data] + [None]
-        validation, steps["validation_steps"] = _epoch_dataset(arrays[:3], batch_size, strategy.steps_per_execution)
-    return train, validation, {k: v for k, v in steps.items() if v is not None}, len(tf.nest.flatten(x)[0])
+        validation, steps["validation_steps"], _ = _epoch_dataset(arrays[:3], batch_size,
+                                                                  strategy.steps_per_execution)
+    return train, validation, {k: v for k, v in steps.items() if v is not None}, samples
 
 
 def _repeated(dataset, steps_per_execution):
@@ -252,9 +258,10 @@ def _repeated(dataset, steps_per_execution):
     return dataset.repeat(), batches
 
 
-def _epoch_dataset(examples, batch_size, steps_per_execution, *, shuffle=False, seed=None):
-    """The input pipeline of ``examples`` (``x, y, sample_weight or None``), repeated with its steps per pass where
-    Keras allows; else ``steps=None``.
+def _epoch_dataset(examples, batch_size, steps_per_execution, *, shuffle=False, seed=None, smallest_batch=1):
+    """``(dataset, steps, examples per pass)``: the input pipeline of ``examples`` (``x, y, sample_weight or None``),
+    repeated with its steps per pass where Keras allows; else ``steps=None``. A last batch smaller than
+    ``smallest_batch`` is left out of every pass (:func:`_short_tail`).
 
     A repeated dataset keeps one input iterator (and its per-device prefetching)
     for every epoch; a fresh distributed iterator per epoch costs seconds under
@@ -263,8 +270,30 @@ def _epoch_dataset(examples, batch_size, steps_per_execution, *, shuffle=False, 
     are not a multiple of it stays finite and Keras stops at its end.
     """
     x, y, sample_weight = examples
-    dataset = data_lib.pipeline(x, y, batch_size, sample_weight=sample_weight, shuffle=shuffle, seed=seed)
-    steps = math.ceil(len(tf.nest.flatten(x)[0]) / batch_size)
+    count = len(tf.nest.flatten(x)[0])
+    kept = count - _short_tail(count, batch_size, smallest_batch)
+    dataset = data_lib.pipeline(x, y, batch_size, sample_weight=sample_weight, shuffle=shuffle, seed=seed, take=kept)
+    steps = math.ceil(kept / batch_size)
     if steps % steps_per_execution:
-        return dataset, None
-    return dataset.repeat(), steps
+        return dataset, None, kept
+    return dataset.repeat(), steps, kept
+
+
+def _short_tail(count, batch_size, smallest_batch):
+    """How many of ``count`` examples a pass leaves out: those of a last batch smaller than ``smallest_batch``
+    (``Strategy.smallest_batch``), with a warning; else 0.
+
+    A replica (or micro-batch) given no example fails TensorFlow's oneDNN
+    gradients, under Keras's own ``fit`` too: an ``InvalidArgumentError``, or
+    the process aborts in ``MklMaxPoolingGradOp``. 129 digits at batch 64 under
+    ``DataParallel(2)`` did.
+    """
+    tail = count % batch_size
+    if not 0 < tail < smallest_batch:
+        return 0
+    warnings.warn(f"{count} examples at a batch of {batch_size} leave a last batch of {tail}, which the strategy "
+                  f"cannot split into its {smallest_batch} pieces (one per replica, times accumulate), and "
+                  f"TensorFlow fails on an empty piece: each epoch leaves out {tail} example(s), other ones each "
+                  f"epoch when shuffled. A batch size that leaves no remainder, or one of at least {smallest_batch}, "
+                  "trains on every example.", stacklevel=4)
+    return tail

@@ -54,6 +54,7 @@ class DataParallel(Strategy):
 
     description = "sync data parallel on MirroredStrategy"
     min_devices = 2
+    splits_batches = True
 
     def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True):
         super().__init__(steps_per_execution=1, accumulate=accumulate)

@@ -96,6 +96,7 @@ class MultiWorker(CheckpointedStrategy):
     elastic = True
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
+    splits_batches = True
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
                  accumulate=1, sync_batchnorm=True):
