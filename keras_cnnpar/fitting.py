@@ -226,9 +226,10 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
             raise ValueError(f"class_weight is for a model with one output; give sample_weight instead. Received: "
                              f"y with {len(tf.nest.flatten(y))} outputs")
         weights = data_lib.class_sample_weights(y, class_weight).numpy()
-    if batch_size * strategy.accumulate < strategy.smallest_batch:
-        raise ValueError(f"{strategy!r} splits every batch over its {strategy.num_replicas} replicas, so a batch needs "
-                         f"at least {strategy.num_replicas} examples (TensorFlow fails on an empty replica batch). "
+    if batch_size < strategy.batch_pieces:
+        pieces = strategy.batch_pieces
+        raise ValueError(f"{strategy!r} cuts every batch into {pieces} pieces (replicas or micro-batches), so a batch "
+                         f"needs at least {pieces} examples (TensorFlow fails on an empty piece). "
                          f"Received: batch_size={batch_size}")
     train, steps, samples = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate,
                                            strategy.steps_per_execution, shuffle=bool(shuffle),
@@ -292,7 +293,7 @@ def _short_tail(count, batch_size, smallest_batch):
     if not 0 < tail < smallest_batch:
         return 0
     warnings.warn(f"{count} examples at a batch of {batch_size} leave a last batch of {tail}, which the strategy "
-                  f"cannot split into its {smallest_batch} pieces (one per replica, times accumulate), and "
+                  f"cannot cut into its {smallest_batch} pieces (replicas or micro-batches, times accumulate), and "
                   f"TensorFlow fails on an empty piece: each epoch leaves out {tail} example(s), other ones each "
                   f"epoch when shuffled. A batch size that leaves no remainder, or one of at least {smallest_batch}, "
                   "trains on every example.", stacklevel=4)

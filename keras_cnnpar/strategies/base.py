@@ -176,8 +176,6 @@ class Strategy(metaclass=_Configuration):
     resume = False
     #: Whether BatchNormalization computes its batch statistics over the global batch (data-parallel strategies).
     sync_batchnorm = False
-    #: Whether tf.distribute splits every batch over the ``num_replicas`` replicas (DataParallel, MultiWorker).
-    splits_batches = False
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
     batch_hooks = None
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
@@ -227,15 +225,21 @@ class Strategy(metaclass=_Configuration):
         return None
 
     @property
+    def batch_pieces(self):
+        """Into how many pieces a step cuts each batch, every one computed apart: the replicas tf.distribute
+        splits it over (DataParallel, MultiWorker) or the micro-batches of a pipeline (LayerPlacement); 1 here."""
+        return 1
+
+    @property
     def smallest_batch(self):
-        """The fewest examples a training batch can hold: one per replica that a batch is split over, times the
-        micro-batches of ``accumulate``. An emptier piece fails TensorFlow's oneDNN gradients (an
+        """The fewest examples a training batch can hold: one per piece (:attr:`batch_pieces`), times the
+        micro-batches of ``accumulate``. An empty piece fails TensorFlow's oneDNN gradients (an
         ``InvalidArgumentError``, or the process aborts in ``MklMaxPoolingGradOp``), under Keras's own ``fit`` too.
 
         >>> resolve("mirrored").smallest_batch, resolve("single").replace(accumulate=4).smallest_batch
         (2, 4)
         """
-        return (self.num_replicas if self.splits_batches else 1) * self.accumulate
+        return self.batch_pieces * self.accumulate
 
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""

@@ -54,7 +54,6 @@ class DataParallel(Strategy):
 
     description = "sync data parallel on MirroredStrategy"
     min_devices = 2
-    splits_batches = True
 
     def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True):
         super().__init__(steps_per_execution=1, accumulate=accumulate)
@@ -62,6 +61,10 @@ class DataParallel(Strategy):
         default = len(tf.config.list_physical_devices("GPU")) or 2
         self.devices = arguments.devices(default if devices is None else devices)
         self.scale_lr = arguments.scale_lr(scale_lr)
+
+    @property
+    def batch_pieces(self):
+        return self.num_replicas
 
     @property
     def num_replicas(self):

@@ -96,7 +96,6 @@ class MultiWorker(CheckpointedStrategy):
     elastic = True
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
-    splits_batches = True
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
                  accumulate=1, sync_batchnorm=True):
@@ -111,6 +110,10 @@ class MultiWorker(CheckpointedStrategy):
     @property
     def devices(self):
         return self._strategy.num_replicas_in_sync
+
+    @property
+    def batch_pieces(self):
+        return self.num_replicas
 
     @property
     def num_replicas(self):

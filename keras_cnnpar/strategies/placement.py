@@ -71,6 +71,10 @@ class LayerPlacement(Strategy):
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
 
+    @property
+    def batch_pieces(self):
+        return self.microbatches
+
     def xla_refusal(self):
         return "its stages run on different devices, and XLA compiles a step for one device"
 
