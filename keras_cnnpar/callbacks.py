@@ -39,12 +39,12 @@ class EpochLogger(keras.callbacks.Callback):
     ``on_train_end``. Columns are ``epoch`` (1-based) then the rest sorted by
     name; a column first seen after the first epoch (validation every
     ``validation_freq`` epochs) rewrites the file with it, earlier rows blank
-    there (``keras.callbacks.CSVLogger`` drops it). The run writes its own file (``RunInfo.epoch_csv``, under
-    ``runs/<run id>/``), created once its first epoch is complete, and after
-    every epoch copies it whole onto the configuration's file
-    (``RunInfo.view_csv``, the latest run's): a run that fails before its
-    first epoch leaves the previous run's file as it was, and two runs of one
-    configuration at once each keep their own. A run that starts at
+    there (``keras.callbacks.CSVLogger`` drops it). The run writes its own
+    file (``RunInfo.epoch_csv``, under ``runs/<run id>/``), created once its
+    first epoch is complete, and after every epoch copies it whole onto the
+    configuration's file (``RunInfo.view_csv``, the latest run's): a run that
+    fails before its first epoch leaves the previous run's file as it was, and
+    two runs of one configuration at once each keep their own. A run that starts at
     ``initial_epoch > 0`` keeps the rows of the epochs before it (from the
     configuration's file) and appends, so no epoch appears twice.
 
