@@ -200,7 +200,7 @@ def test_a_normalized_cnn_holds_about_what_its_share_of_the_batch_needs(strategy
     # ChannelSharded(2) holds half a batch of activations per device, as DataParallel(2) does: each
     # normalization's centred input, which TensorFlow's gradient of tf.nn.moments computed in the forward pass
     # under DTensor and kept, made it 1.28x. Hybrid(2, 2)'s four devices hold half a batch each, with channels
-    # whole or halved: at most twice what Single holds for the whole batch, 1.4-1.7x measured; im2col's stacked
+    # whole or halved: at most twice what Single holds for the whole batch, 1.3-1.6x measured; im2col's stacked
     # windows made it about 5x. Single is the reference there because one device's step holds the whole batch
     # however the cores are shared; DataParallel(4)'s peak depends on how far its replicas' steps overlap, and
     # read 17.5 MB under CI's load against 23-25 MB otherwise.
