@@ -42,8 +42,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     batch_size = 32 if batch_size is None and not isinstance(x, tf.data.Dataset) else batch_size
     weights = {"sample_weight": fit_kwargs.pop("sample_weight", None),
                "class_weight": fit_kwargs.pop("class_weight", None)}
-    train, validation, steps, samples = _inputs(x, y, batch_size, validation_data, validation_split, shuffle,
-                                                strategy, given_steps=fit_kwargs, **weights)
+    validation_batch_size = fit_kwargs.pop("validation_batch_size", None)
+    train, validation, steps, samples = _inputs(
+        x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=fit_kwargs,
+        validation_batch_size=validation_batch_size, **weights)
     if samples is not None and fit_kwargs.get("steps_per_epoch"):
         samples = fit_kwargs["steps_per_epoch"] * batch_size
     fit_kwargs = {**steps, **fit_kwargs}
@@ -175,13 +177,14 @@ def check_model(model):
 
 
 def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strategy, given_steps=(),
-            sample_weight=None, class_weight=None):
+            validation_batch_size=None, sample_weight=None, class_weight=None):
     """Return ``(train dataset, validation dataset or None, steps, training samples per epoch or None)``.
 
     Numpy data becomes datasets through :func:`_epoch_dataset`; ``steps`` holds
     the ``steps_per_epoch`` / ``validation_steps`` that go with repeated ones.
     A user's datasets are repeated (:func:`_repeated`) unless ``given_steps``
-    (the user's ``fit`` options) already sets their steps. Sample weights and class
+    (the user's ``fit`` options) already sets their steps. Numpy validation data is
+    batched by ``validation_batch_size``, else ``batch_size``, as in Keras's ``fit``. Sample weights and class
     weights become the training batches' third element, as Keras's ``fit``
     makes them, before any strategy sees the data.
     """
@@ -238,7 +241,7 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
         arrays = [_arrays(a) for a in validation_data] + [None]
-        validation, steps["validation_steps"], _ = _epoch_dataset(arrays[:3], batch_size,
+        validation, steps["validation_steps"], _ = _epoch_dataset(arrays[:3], validation_batch_size or batch_size,
                                                                   strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, samples
 

@@ -331,12 +331,12 @@ def test_fit_leaves_the_strategy_as_it_was_and_a_second_fit_owes_nothing_to_the_
 
 
 @pytest.mark.parametrize("alias", ["channels", "hybrid", "async-ps"])  # the others train with Keras's own fit
-def test_validation_freq_validates_after_the_epochs_keras_validates_after(alias, few_digits, tmp_path):
-    """The loops of the mesh and of AsyncPS refused ``validation_freq``."""
+def test_validation_freq_and_batch_size_validate_as_keras_validates(alias, few_digits, tmp_path):
+    """The loops of the mesh and of AsyncPS refused ``validation_freq``, and ``validation_batch_size`` too."""
     x, y = few_digits[0][:128], few_digits[1][:128]
     keras_model, model = build_small_cnn(), build_small_cnn()
     settings = {"batch_size": 64, "epochs": 3, "shuffle": False, "verbose": 0, "validation_data": (x[:64], y[:64]),
-                "validation_freq": [1, 3]}
+                "validation_freq": [1, 3], "validation_batch_size": 32}
     expected = keras_model.fit(x, y, **settings).history
     history = model.fit(x, y, strategy=alias, results_dir=tmp_path, **settings).history
     assert len(history["loss"]) == 3
