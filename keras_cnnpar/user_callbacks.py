@@ -8,9 +8,13 @@ it. :class:`UserModelCallbacks` gives them the user's model:
 
 - at the end of every epoch the trained weights and optimizer state are copied
   into the user's model *before* the callbacks run, so a checkpoint holds that
-  epoch's weights, and what the callbacks changed goes back into training: a
-  new learning rate (times the strategy's ``scale_lr`` factor) and a request to
-  stop;
+  epoch's weights, and a request to stop goes back into training;
+- a learning rate that a callback sets on the user's model, in ``on_train_begin``,
+  ``on_epoch_begin`` (``LearningRateScheduler``), ``on_epoch_end``
+  (``ReduceLROnPlateau``) or ``on_train_batch_begin``, goes to the training copy
+  (times the strategy's ``scale_lr`` factor) before the training goes on. Keras's
+  ``fit`` reads it at every step; the strategies with loops of their own
+  (``AsyncPS``, ``ChannelSharded``, ``Hybrid``) at every epoch's start;
 - after ``on_train_begin``, weights and an epoch that a callback restored into
   the user's model (``BackupAndRestore``) go into training;
 - ``on_train_end`` runs once the trained state is back in the user's model
@@ -149,10 +153,18 @@ class UserModelCallbacks(keras.callbacks.Callback):
         for callback in self.callbacks:
             getattr(callback, hook)(*args)
 
+    def _each_passing_the_rate_on(self, hook, *args):
+        """``_each``; then a learning rate the callbacks set on the user's model goes to the training copy."""
+        rate = self._user_learning_rate()
+        self._each(hook, *args)
+        changed = self._user_learning_rate()
+        if changed is not None and changed != rate:
+            self.prepared.optimizer.learning_rate = changed * self.strategy.lr_factor()
+
     def on_train_begin(self, logs=None):
         self.user_model.stop_training = False
         self.user_model._initial_epoch = None
-        self._each("on_train_begin", logs)
+        self._each_passing_the_rate_on("on_train_begin", logs)
         restored_epoch = self.user_model._initial_epoch
         if restored_epoch:  # BackupAndRestore loaded a backup into the user's model
             rebuild.copy_state(self.user_model, self.prepared)
@@ -161,11 +173,7 @@ class UserModelCallbacks(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         rebuild.copy_state(self.prepared, self.user_model)
-        rate = self._user_learning_rate()
-        self._each("on_epoch_end", epoch, logs)
-        changed = self._user_learning_rate()
-        if changed is not None and changed != rate:
-            self.prepared.optimizer.learning_rate = changed * self.strategy.lr_factor()
+        self._each_passing_the_rate_on("on_epoch_end", epoch, logs)
         if self.user_model.stop_training:
             self.prepared.stop_training = True
 
@@ -181,10 +189,10 @@ class UserModelCallbacks(keras.callbacks.Callback):
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._each("on_epoch_begin", epoch, logs)
+        self._each_passing_the_rate_on("on_epoch_begin", epoch, logs)
 
     def on_train_batch_begin(self, batch, logs=None):
-        self._each("on_train_batch_begin", batch, logs)
+        self._each_passing_the_rate_on("on_train_batch_begin", batch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
         self._each("on_train_batch_end", batch, logs)

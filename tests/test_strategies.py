@@ -344,6 +344,25 @@ def test_validation_freq_and_batch_size_validate_as_keras_validates(alias, few_d
     assert len(history["val_loss"]) == 2
 
 
+@pytest.mark.parametrize("alias", ["channels", "hybrid"])  # the others train with Keras's own fit
+def test_a_dict_of_the_named_input_trains_as_the_array_does(alias, few_digits):
+    """The mesh's loop read the batch's x as one tensor and failed on ``{"image": x}`` with an AttributeError."""
+    def named_input_cnn():
+        keras.utils.set_random_seed(0)
+        image = keras.Input((28, 28, 1), name="image")
+        features = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(8, 3, activation="relu")(image))
+        model = keras.Model(image, keras.layers.Dense(10, activation="softmax")(features))
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        return model
+
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    settings = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0, "strategy": alias, "results_dir": None}
+    expected = cnnpar.fit(named_input_cnn(), x, y, validation_data=(x, y), **settings).history
+    history = cnnpar.fit(named_input_cnn(), {"image": x}, y, validation_data=({"image": x}, y), **settings).history
+    assert history["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert history["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)
+
+
 @pytest.mark.parametrize("strategy", [cnnpar.DataParallel(2), cnnpar.Single(accumulate=2),
                                       cnnpar.LayerPlacement(2, microbatches=2)], ids=repr)
 def test_a_last_batch_too_small_to_split_is_left_out_with_a_warning(strategy, few_digits):

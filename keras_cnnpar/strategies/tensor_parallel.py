@@ -299,6 +299,7 @@ def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_lis
 
     for index in range(steps):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(batches))
+        x = _only_input(x)
         if per_batch:
             callback_list.on_train_batch_begin(index)
         loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape)))
@@ -308,6 +309,23 @@ def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_lis
         if per_batch:
             callback_list.on_train_batch_end(index, logs())
     return logs()
+
+
+def _only_input(x):
+    """The one input of a batch for the mesh's one-input model: ``x`` itself, or the tensor of a dict or list that
+    holds one (Keras's ``fit`` takes ``{"image": x}`` for an input named ``"image"``).
+
+    >>> _only_input({"image": 1.0})
+    1.0
+    >>> _only_input({"image": 1.0, "label": 2.0})
+    Traceback (most recent call last):
+    ValueError: channel sharding trains a model with one input, so a batch's x is one tensor. Received: x of 2 tensors
+    """
+    tensors = tf.nest.flatten(x)
+    if len(tensors) != 1:
+        raise ValueError("channel sharding trains a model with one input, so a batch's x is one tensor. "
+                         f"Received: x of {len(tensors)} tensors")
+    return tensors[0]
 
 
 def _metrics_update(model):
