@@ -4,7 +4,9 @@ A strategy trains a *prepared* copy of the user's model: built again under the
 strategy's scope, with the same weights, the same compile settings (optimizer
 config, loss, metrics) and, when the user's optimizer already took steps, the
 same optimizer state. After training the state goes back the other way. The
-learning rate is never copied, so a strategy's scaled rate stays its own.
+learning rate is never copied, so a strategy's scaled rate stays its own. What
+``optimizer.exclude_from_weight_decay`` set, which Keras keeps out of the
+optimizer's config, goes to the copy too (:func:`weight_decay_exclusions`).
 
 Example:
 
@@ -16,6 +18,7 @@ True
 """
 
 import inspect
+import re
 
 import keras
 from keras import tree
@@ -47,6 +50,7 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         copy = clone(model)
         set_precision(copy, precision)
         copy.compile_from_config(config)  # under mixed_float16, Keras wraps the optimizer in a LossScaleOptimizer
+        exclude_from_weight_decay(copy, weight_decay_exclusions(model))
         if not copy.optimizer.built and copy.trainable_variables:
             copy.optimizer.build(copy.trainable_variables)  # now, eagerly: each slot on its variable's device
     if fused_optimizer:
@@ -147,6 +151,36 @@ def copy_state(source, target):
                          f"target={target.name}")
     for value, variable in zip(source_state, target_state):
         variable.assign(value)
+
+
+def weight_decay_exclusions(model):
+    """What ``model.optimizer.exclude_from_weight_decay`` set, as ``(positions, pattern)``: the positions of the
+    excluded variables in ``model.trainable_variables``, and the pattern of excluded names (or None).
+
+    Keras keeps them out of the optimizer's config, so a copy compiled from it, or a
+    saved and loaded model, decays every variable (a silent difference from the user's run).
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer=keras.optimizers.AdamW(weight_decay=0.1))
+    >>> model.optimizer.exclude_from_weight_decay(var_list=[model.layers[0].kernel], var_names=["bias"])
+    >>> weight_decay_exclusions(model)
+    ([0], 'bias')
+    """
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    keys = getattr(optimizer, "_exclude_from_weight_decay", set())
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    positions = [i for i, variable in enumerate(model.trainable_variables) if optimizer._var_key(variable) in keys]
+    return positions, None if pattern is None else pattern.pattern
+
+
+def exclude_from_weight_decay(model, exclusions):
+    """Give ``model``'s optimizer, built or not, the ``exclusions`` of :func:`weight_decay_exclusions`."""
+    positions, pattern = exclusions
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    variables = model.trainable_variables
+    optimizer._exclude_from_weight_decay = {optimizer._var_key(variables[i]) for i in positions}
+    optimizer._exclude_from_weight_decay_pattern = None if pattern is None else re.compile(pattern)
+    optimizer._exclude_from_weight_decay_cache = {}
 
 
 def optimizer_state(optimizer):

@@ -73,8 +73,9 @@ class CoordinatorProcessRun(Run):
         self.child, self.trained = None, None
         try:
             model.save(self.folder / "model.keras")
-            (self.folder / "run.json").write_text(json.dumps({"options": strategy.options(),
-                                                              "settings": settings.as_dict()}))
+            (self.folder / "run.json").write_text(json.dumps({
+                "options": strategy.options(), "settings": settings.as_dict(),
+                "weight_decay_exclusions": rebuild.weight_decay_exclusions(model)}))  # not saved with the model
             self.child = _start_coordinator(self.folder, private_network=strategy.spec is None)
             ready = json.loads(self._expect(READY))
         except BaseException:
@@ -220,6 +221,7 @@ def main(folder, parent, private_network=False):
         strategy = create("async-ps", **run["options"])
         strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
         model = keras.saving.load_model(folder / "model.keras")
+        rebuild.exclude_from_weight_decay(model, run["weight_decay_exclusions"])
         training = strategy.prepare(model, RunSettings(**run["settings"]))
         checkpoint = training.checkpoint
         print(READY + json.dumps({
