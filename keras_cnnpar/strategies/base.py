@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 import keras
+import tensorflow as tf
 
 from keras_cnnpar import accumulation, arguments, checkpoints, rebuild, registry, runs
 
@@ -178,6 +179,8 @@ class Strategy(metaclass=_Configuration):
     sync_batchnorm = False
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
     batch_hooks = None
+    #: Whether the optimizer's update all-reduces the replicas' gradients (tf.distribute's mirrored strategies).
+    all_reduces_gradients = False
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
 
@@ -262,10 +265,13 @@ class Strategy(metaclass=_Configuration):
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
-        return rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
-                               steps_per_execution=self.steps_per_execution, precision=settings.precision,
-                               fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
-                               clone=accumulation.wrap(clone, self.accumulate))
+        prepared = rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
+                                   steps_per_execution=self.steps_per_execution, precision=settings.precision,
+                                   fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
+                                   clone=accumulation.wrap(clone, self.accumulate))
+        if self.all_reduces_gradients:
+            clip_the_replicas_sum(prepared.optimizer)
+        return prepared
 
     def distribute(self, dataset):
         """``dataset`` (batched by the global batch) as this strategy's replicas read it in training."""
@@ -281,6 +287,30 @@ class Strategy(metaclass=_Configuration):
     def probe(self):
         """The strategy of a one-step check (``GradientParityCheck``) beside the real run."""
         return self
+
+
+def clip_the_replicas_sum(optimizer):
+    """Make ``optimizer`` clip the sum of the replicas' gradients, as ``Single`` clips the whole batch's.
+
+    Keras 3 clips (``clipnorm``, ``global_clipnorm``, ``clipvalue``) each
+    replica's part of the gradient before its all-reduce sums them, so N
+    replicas stepped up to N times as far as one device (tf-keras 2 clipped
+    after the sum). With clipping set, the sum moves ahead of it: the
+    all-reduce runs in ``_clip_gradients``, and the optimizer's own all-reduce
+    passes the summed gradients on.
+    """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if not (optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue):
+        return
+    clip = optimizer._clip_gradients
+
+    def sum_then_clip(gradients):
+        present = [g for g in gradients if g is not None]
+        summed = iter(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present))
+        return clip([None if g is None else next(summed) for g in gradients])
+
+    optimizer._clip_gradients = sum_then_clip
+    optimizer._all_reduce_sum_gradients = list  # summed already
 
 
 class Run:
