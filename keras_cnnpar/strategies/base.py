@@ -262,6 +262,12 @@ class Strategy(metaclass=_Configuration):
         """The prepared copy of ``model``: built under ``scope()``, with ``settings``' precision and updates."""
         if clone is None:
             clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
+        steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
+        if self.all_reduces_gradients and steps:
+            raise ValueError(f"{type(self).__name__} cannot run Keras's gradient_accumulation_steps (it fails under "
+                             "tf.distribute's mirrored strategies: a merge_call inside a cond); leave it at None and "
+                             f"give the strategy accumulate={steps}, which applies the mean gradient of {steps} "
+                             f"batches at once. Received: gradient_accumulation_steps={steps}")
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
