@@ -66,7 +66,23 @@ def test_tensor_parallel_refuses_float16_saying_what_works(batch):
         one_step(cnnpar.ChannelSharded(2), "mixed_float16", batch)
     assert str(raised.value) == (
         "tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no loss scaling, which "
-        "float16 needs. Use precision='mixed_bfloat16'. Received: precision='mixed_float16'")
+        "float16 needs. Use precision='mixed_bfloat16' (or build the model under that policy). Received: "
+        "precision='mixed_float16'")
+
+
+def test_tensor_parallel_refuses_a_model_built_under_the_float16_policy_by_its_layers(batch):
+    """Refused as an optimizer it did not know: "implements the optimizers ['Adam', 'SGD']. Received:
+    optimizer=LossScaleOptimizer"."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = build_small_cnn()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(ValueError) as raised:
+        model.fit(*batch, strategy="channels", results_dir=None, verbose=0)
+    assert str(raised.value).endswith(
+        "Use precision='mixed_bfloat16' (or build the model under that policy). Received: a model whose layers "
+        f"compute in float16 (Keras's mixed_float16 policy): {[layer.name for layer in model.layers[:3]]}")
 
 
 def test_an_unknown_precision_lists_the_valid_ones(batch):

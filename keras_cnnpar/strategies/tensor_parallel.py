@@ -87,10 +87,14 @@ class ChannelSharded(Strategy):
 
     def prepare(self, model, settings=None):
         settings = settings or base.RunSettings()
-        if settings.precision == "mixed_float16":
+        float16 = [layer.name for layer in model.layers
+                   if layer.compute_dtype == "float16" and not isinstance(layer, keras.layers.InputLayer)]
+        if settings.precision == "mixed_float16" or float16:
+            received = ("precision='mixed_float16'" if settings.precision == "mixed_float16" else
+                        f"a model whose layers compute in float16 (Keras's mixed_float16 policy): {float16[:3]}")
             raise ValueError("tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no "
-                             "loss scaling, which float16 needs. Use precision='mixed_bfloat16'. "
-                             "Received: precision='mixed_float16'")
+                             "loss scaling, which float16 needs. Use precision='mixed_bfloat16' (or build the "
+                             f"model under that policy). Received: {received}")
         prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
         compute_dtype = "bfloat16" if settings.precision == "mixed_bfloat16" else None
         sharded_model = sharded.ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
