@@ -22,6 +22,7 @@ import re
 
 import keras
 from keras import tree
+from keras.src.saving import serialization_lib
 
 from keras_cnnpar import fused, graph
 
@@ -46,7 +47,9 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
         config["steps_per_execution"] = steps_per_execution
     if jit_compile is not None:
         config["jit_compile"] = jit_compile
-    with scope:
+    # A Lambda's Python function comes from the live model in this process, not from a file, which is what
+    # Keras's safe mode guards against; Keras's own clone_model refuses it.
+    with scope, serialization_lib.SafeModeScope(False):
         copy = clone(model)
         set_precision(copy, precision)
         copy.compile_from_config(config)  # under mixed_float16, Keras wraps the optimizer in a LossScaleOptimizer
@@ -60,17 +63,21 @@ def rebuild(model, *, scope, lr_factor=1.0, steps_per_execution=None, clone=kera
 
 
 def custom_objects(model):
-    """The functions and classes of ``model``'s compile arguments (loss, metrics), by the names Keras serializes
-    them under: in ``keras.saving.custom_object_scope``, a copy compiled from ``get_compile_config()`` (as
-    ``keras.models.clone_model`` compiles a ``Sequential``'s) finds a plain function given as the loss, which
-    Keras finds only when registered.
+    """The functions and classes of ``model`` that Keras finds only when registered, by the names it serializes
+    them under: its compile arguments (a plain function as the loss, metric classes), its layers' classes
+    defined outside Keras, and the functions and objects of other classes that those layers hold (an
+    activation function, an initializer or constraint of one's own). In ``keras.saving.custom_object_scope``,
+    a copy compiled from ``get_compile_config()`` (as ``keras.models.clone_model`` compiles a ``Sequential``'s),
+    or the model saved and loaded, finds them.
 
     >>> def doubled(y_true, y_pred):
     ...     return 2 * keras.losses.mean_squared_error(y_true, y_pred)
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> def clipped(x):
+    ...     return keras.ops.minimum(x, 1.0)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation=clipped)])
     >>> model.compile(loss=doubled, metrics=["mae", keras.metrics.RootMeanSquaredError()])
-    >>> custom_objects(model)
-    {'doubled': <function doubled at ...>, 'RootMeanSquaredError': <class '...RootMeanSquaredError'>}
+    >>> sorted(custom_objects(model))
+    ['RootMeanSquaredError', 'clipped', 'doubled']
     """
     arguments = getattr(getattr(model, "_compile_config", None), "config", {})  # compile's arguments, as given
     found = {}
@@ -79,7 +86,23 @@ def custom_objects(model):
             found[item.__name__] = item
         elif isinstance(item, (keras.losses.Loss, keras.metrics.Metric)):
             found[type(item).__name__] = type(item)
+    for layer in model._flatten_layers(include_self=False):
+        held = [value for name, value in vars(layer).items() if not hasattr(type(layer), name)]  # not its methods
+        for item in [layer, *held]:
+            kind = item if inspect.isfunction(item) else type(item)
+            wanted = (inspect.isfunction(item) and item.__name__ != "<lambda>") or isinstance(item, _KERAS_OBJECTS)
+            if wanted and _defined_outside_keras(kind):
+                found[keras.saving.get_registered_name(kind)] = kind
     return found
+
+
+#: The kinds of objects a layer holds that Keras serializes by their class's name.
+_KERAS_OBJECTS = (keras.layers.Layer, keras.initializers.Initializer, keras.regularizers.Regularizer,
+                  keras.constraints.Constraint)
+
+
+def _defined_outside_keras(thing):
+    return getattr(thing, "__module__", "keras").split(".")[0] not in ("keras", "tf_keras", "tensorflow")
 
 
 def clone_with(model, change):

@@ -344,6 +344,46 @@ def test_validation_freq_and_batch_size_validate_as_keras_validates(alias, few_d
     assert len(history["val_loss"]) == 2
 
 
+@pytest.mark.parametrize("alias", ["single", "mirrored", "layers", "async-ps"])  # the mesh refuses unknown layers
+def test_a_model_with_a_lambda_and_a_layer_and_loss_of_the_users_own_trains_as_in_keras(alias, few_digits):
+    """Every strategy clones the model, and Keras's safe mode refused the Lambda's Python function; the AsyncPS
+    coordinator process loaded a model naming a layer class and a loss that it had never seen ("Could not
+    locate class 'Scale'"). Defined here, inside the test, as in a user's script: they reach it by value."""
+    class Scale(keras.layers.Layer):
+        def __init__(self, factor=2.0, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = factor
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(), initializer=keras.initializers.Constant(self.factor))
+
+        def call(self, inputs):
+            return inputs * self.scale
+
+        def get_config(self):
+            return {**super().get_config(), "factor": self.factor}
+
+    def halved_crossentropy(y_true, y_pred):
+        return 0.5 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred)
+
+    def users_cnn():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Lambda(lambda images: images / 255.0),
+            keras.layers.Conv2D(8, 3, activation="relu"), Scale(1.5), keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10, activation="softmax")])
+        model.compile(keras.optimizers.SGD(0.1), halved_crossentropy)
+        return model
+
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    settings = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0}
+    expected = users_cnn().fit(x, y, **settings).history["loss"]
+    model = users_cnn()
+    history = cnnpar.fit(model, x, y, strategy=alias, results_dir=None, **settings).history
+    assert history["loss"] == pytest.approx(expected, rel=1e-5)
+    assert float(model.layers[2].scale.numpy()) != 1.5  # the user's layer trained, and came back
+
+
 @pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.002}], ids=str)
 def test_data_parallel_clips_the_whole_batchs_gradient_as_single_does(clipping, batch):
     """Keras 3 clips each replica's part of the gradient before the all-reduce sums them: DataParallel(2) stepped

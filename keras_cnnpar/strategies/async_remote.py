@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+import cloudpickle
 import keras
 import tensorflow as tf
 
@@ -49,6 +50,8 @@ from keras_cnnpar.subprocesses import library_command
 READY, EPOCH, DONE, ERROR = "CNNPAR-READY ", "CNNPAR-EPOCH ", "CNNPAR-DONE", "CNNPAR-ERROR "
 #: How long the user's process lets a failed coordinator finish writing its traceback before ending it.
 ERROR_EXIT_SECONDS = 10
+#: The file of the folder that holds the user's classes and functions the model names (``rebuild.custom_objects``).
+CUSTOM_OBJECTS = "custom_objects.pickle"
 
 
 class CoordinatorCheckpoint:
@@ -73,9 +76,12 @@ class CoordinatorProcessRun(Run):
         self.child, self.trained = None, None
         try:
             model.save(self.folder / "model.keras")
+            # What the saved model does not hold: the exclusions from weight decay, and the classes and
+            # functions of the user's own that it names (a script's by value), with the path to their modules.
             (self.folder / "run.json").write_text(json.dumps({
-                "options": strategy.options(), "settings": settings.as_dict(),
-                "weight_decay_exclusions": rebuild.weight_decay_exclusions(model)}))  # not saved with the model
+                "options": strategy.options(), "settings": settings.as_dict(), "sys_path": sys.path,
+                "weight_decay_exclusions": rebuild.weight_decay_exclusions(model)}))
+            (self.folder / CUSTOM_OBJECTS).write_bytes(cloudpickle.dumps(rebuild.custom_objects(model)))
             self.child = _start_coordinator(self.folder, private_network=strategy.spec is None)
             ready = json.loads(self._expect(READY))
         except BaseException:
@@ -107,7 +113,8 @@ class CoordinatorProcessRun(Run):
             self._expect(DONE)
             if self.child.wait() != 0:
                 raise RuntimeError(f"the AsyncPS coordinator process failed with exit code {self.child.returncode}")
-            self.trained = keras.saving.load_model(self.folder / "trained.keras")
+            with keras.saving.custom_object_scope(rebuild.custom_objects(self.model)):
+                self.trained = keras.saving.load_model(self.folder / "trained.keras", safe_mode=False)  # ours
             return history
         finally:
             self.close()
@@ -218,29 +225,9 @@ def main(folder, parent, private_network=False):
         if private_network:
             network.loopback_up()
         run = json.loads((folder / "run.json").read_text())
-        strategy = create("async-ps", **run["options"])
-        strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
-        model = keras.saving.load_model(folder / "model.keras")
-        rebuild.exclude_from_weight_decay(model, run["weight_decay_exclusions"])
-        training = strategy.prepare(model, RunSettings(**run["settings"]))
-        checkpoint = training.checkpoint
-        print(READY + json.dumps({
-            "report": training.report(), "checkpoint": str(checkpoint.directory) if checkpoint else None,
-            "completed_epochs": checkpoint.completed_epochs if checkpoint else 0}), flush=True)
-        request = _receive()
-        validation = None
-        if request["validation_steps"]:
-            validation = data.untuned(tf.data.Dataset.load(str(folder / "validation")))
-
-        def epoch_batches(epoch):
-            message = _receive()
-            if message["learning_rate"] is not None:
-                training.model.optimizer.learning_rate = message["learning_rate"]
-            return data.untuned(tf.data.Dataset.load(str(folder / message["train"])))
-
-        training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
-        training.finalize(model)
-        model.save(folder / "trained.keras")
+        sys.path.extend(entry for entry in run["sys_path"] if entry not in sys.path)  # the user's modules
+        with keras.saving.custom_object_scope(cloudpickle.loads((folder / CUSTOM_OBJECTS).read_bytes())):
+            _coordinate(folder, run, private_network)
     except _UserProcessGone:  # before the orphan watch sees it: nobody else removes the folder
         shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
@@ -248,6 +235,33 @@ def main(folder, parent, private_network=False):
         print(ERROR + json.dumps({"type": type(error).__name__, "message": str(error)}), flush=True)
         raise
     print(DONE, flush=True)
+
+
+def _coordinate(folder, run, private_network):
+    """Join the cluster, load the model, answer with the report, train, and save the trained model."""
+    strategy = create("async-ps", **run["options"])
+    strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
+    model = keras.saving.load_model(folder / "model.keras", safe_mode=False)  # the user's process wrote it
+    rebuild.exclude_from_weight_decay(model, run["weight_decay_exclusions"])
+    training = strategy.prepare(model, RunSettings(**run["settings"]))
+    checkpoint = training.checkpoint
+    print(READY + json.dumps({
+        "report": training.report(), "checkpoint": str(checkpoint.directory) if checkpoint else None,
+        "completed_epochs": checkpoint.completed_epochs if checkpoint else 0}), flush=True)
+    request = _receive()
+    validation = None
+    if request["validation_steps"]:
+        validation = data.untuned(tf.data.Dataset.load(str(folder / "validation")))
+
+    def epoch_batches(epoch):
+        message = _receive()
+        if message["learning_rate"] is not None:
+            training.model.optimizer.learning_rate = message["learning_rate"]
+        return data.untuned(tf.data.Dataset.load(str(folder / message["train"])))
+
+    training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
+    training.finalize(model)
+    model.save(folder / "trained.keras")
 
 
 if __name__ == "__main__":
