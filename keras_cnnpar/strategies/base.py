@@ -311,8 +311,10 @@ def clip_the_replicas_sum(optimizer):
     clip = optimizer._clip_gradients
 
     def sum_then_clip(gradients):
-        present = [g for g in gradients if g is not None]
-        summed = iter(tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, present))
+        context = tf.distribute.get_replica_context()
+        if context is None:  # in the cross-replica context: nothing to sum, as in Keras's all-reduce
+            return clip(gradients)
+        summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in gradients if g is not None]))
         return clip([None if g is None else next(summed) for g in gradients])
 
     optimizer._clip_gradients = sum_then_clip
