@@ -140,12 +140,16 @@ def test_a_subclassed_model_is_refused_by_name_before_any_strategy_copies_it(tmp
     assert not (tmp_path / "r").exists()  # refused before a file was written
 
 
-def test_kerass_gradient_accumulation_under_data_parallel_is_refused_naming_accumulate(few_digits):
-    """Keras's own accumulation failed under MirroredStrategy with a RuntimeError from deep in a ``Cond``."""
+@pytest.mark.parametrize("strategy, instead", [
+    (cnnpar.DataParallel(2), "give the strategy accumulate=2, which applies the mean gradient of 2 batches at once"),
+    (cnnpar.AsyncPS(2), "give a batch_size 2 times as large")], ids=["mirrored", "async-ps"])
+def test_kerass_gradient_accumulation_under_tf_distribute_is_refused_saying_what_works(strategy, instead,
+                                                                                        few_digits):
+    """Keras's own accumulation failed under tf.distribute with a RuntimeError from deep in a ``Cond``."""
     model = build_small_cnn(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     with pytest.raises(ValueError) as raised:
-        model.fit(*few_digits, batch_size=64, strategy=cnnpar.DataParallel(2), results_dir=None, verbose=0)
+        model.fit(*few_digits, batch_size=64, strategy=strategy, results_dir=None, verbose=0)
     assert str(raised.value) == (
-        "DataParallel cannot run Keras's gradient_accumulation_steps (it fails under tf.distribute's mirrored "
-        "strategies: a merge_call inside a cond); leave it at None and give the strategy accumulate=2, which "
-        "applies the mean gradient of 2 batches at once. Received: gradient_accumulation_steps=2")
+        f"{type(strategy).__name__} cannot run Keras's gradient_accumulation_steps (it fails under tf.distribute's "
+        f"strategies: a merge_call inside a cond); leave it at None and {instead}. "
+        "Received: gradient_accumulation_steps=2")

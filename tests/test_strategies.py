@@ -398,6 +398,24 @@ def test_data_parallel_clips_the_whole_batchs_gradient_as_single_does(clipping, 
     assert max_weight_difference(mirrored, single) < 1e-6
 
 
+@pytest.mark.parametrize("alias", ["single", "mirrored", "layers", "async-ps"])  # the mesh refuses use_ema
+def test_an_optimizer_with_use_ema_leaves_the_moving_averages_in_the_model_as_kerass_fit_does(alias, few_digits):
+    """Keras's ``fit`` ends by writing the optimizer's moving averages into the weights; AsyncPS's loop did not,
+    and its model kept the last step's weights (|w| 145.85 where Keras's was 145.44)."""
+    def averaging_cnn(use_ema=True):
+        return build_small_cnn(optimizer=keras.optimizers.Adam(0.01, use_ema=use_ema, ema_momentum=0.5))
+
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    settings = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0}
+    expected, last_step = averaging_cnn(), averaging_cnn(use_ema=False)
+    expected.fit(x, y, **settings)
+    last_step.fit(x, y, **settings)
+    model = averaging_cnn()
+    model.fit(x, y, strategy=alias, results_dir=None, **settings)
+    assert max_weight_difference(expected, last_step) > 1e-3
+    assert max_weight_difference(model, expected) < 1e-5
+
+
 @pytest.mark.parametrize("alias", ["single", "mirrored", "layers", "async-ps"])  # the mesh refuses weight decay
 def test_variables_excluded_from_weight_decay_stay_excluded(alias, few_digits):
     """Keras keeps ``exclude_from_weight_decay`` out of the optimizer's config, so the strategy's copy (and the

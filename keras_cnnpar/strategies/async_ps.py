@@ -127,6 +127,7 @@ class AsyncPS(CheckpointedStrategy):
     """
 
     description = "asynchronous parameter servers, see --workers, --ps, --cluster"
+    trains_under_tf_distribute = True
     batch_hooks = "once per epoch (its steps run on the workers, scheduled in groups)"
     steps_run_here = False
     min_devices = 2

@@ -179,8 +179,9 @@ class Strategy(metaclass=_Configuration):
     sync_batchnorm = False
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
     batch_hooks = None
-    #: Whether the optimizer's update all-reduces the replicas' gradients (tf.distribute's mirrored strategies).
-    all_reduces_gradients = False
+    #: Whether the prepared copy trains under a tf.distribute strategy, where Keras's gradient_accumulation_steps
+    #: fails, and whether its optimizer's update all-reduces the replicas' gradients (the mirrored strategies).
+    trains_under_tf_distribute = all_reduces_gradients = False
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
 
@@ -262,12 +263,7 @@ class Strategy(metaclass=_Configuration):
         """The prepared copy of ``model``: built under ``scope()``, with ``settings``' precision and updates."""
         if clone is None:
             clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
-        steps = getattr(model.optimizer, "gradient_accumulation_steps", None)
-        if self.all_reduces_gradients and steps:
-            raise ValueError(f"{type(self).__name__} cannot run Keras's gradient_accumulation_steps (it fails under "
-                             "tf.distribute's mirrored strategies: a merge_call inside a cond); leave it at None and "
-                             f"give the strategy accumulate={steps}, which applies the mean gradient of {steps} "
-                             f"batches at once. Received: gradient_accumulation_steps={steps}")
+        self._refuse_kerass_gradient_accumulation(model.optimizer)
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
@@ -278,6 +274,18 @@ class Strategy(metaclass=_Configuration):
         if self.all_reduces_gradients:
             clip_the_replicas_sum(prepared.optimizer)
         return prepared
+
+    def _refuse_kerass_gradient_accumulation(self, optimizer):
+        """Refuse the optimizer's ``gradient_accumulation_steps`` under tf.distribute, where Keras's fails."""
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if not (steps and self.trains_under_tf_distribute):
+            return
+        instead = (f"give the strategy accumulate={steps}, which applies the mean gradient of {steps} batches at once"
+                   if "accumulate" in inspect.signature(type(self)).parameters
+                   else f"give a batch_size {steps} times as large")
+        raise ValueError(f"{type(self).__name__} cannot run Keras's gradient_accumulation_steps (it fails under "
+                         f"tf.distribute's strategies: a merge_call inside a cond); leave it at None and {instead}. "
+                         f"Received: gradient_accumulation_steps={steps}")
 
     def distribute(self, dataset):
         """``dataset`` (batched by the global batch) as this strategy's replicas read it in training."""

@@ -4,8 +4,9 @@ The loop keeps Keras's callback order: ``on_train_begin``, then per epoch
 ``on_epoch_begin``, the strategy's training (which calls the batch-level
 callbacks it can), validation between ``on_test_begin`` and ``on_test_end``
 with its results added as ``val_*`` (after the epochs ``validation_freq`` names),
-and ``on_epoch_end``. It honours ``initial_epoch`` and ``model.stop_training``
-and returns the ``History``.
+and ``on_epoch_end``. It honours ``initial_epoch`` and ``model.stop_training``,
+finalizes the optimizer's variables as Keras's ``fit`` does (``use_ema``: the
+weights become their moving averages), and returns the ``History``.
 """
 
 import collections.abc
@@ -51,6 +52,8 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
                 after_epoch(epoch)
         if model.stop_training:
             break
+    if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:  # as Keras's fit ends
+        model.optimizer.finalize_variable_values(model.trainable_weights)  # use_ema: the moving averages
     callback_list.on_train_end()
     return next(c for c in callback_list.callbacks if isinstance(c, keras.callbacks.History))
 

@@ -53,7 +53,7 @@ class DataParallel(Strategy):
     """
 
     description = "sync data parallel on MirroredStrategy"
-    all_reduces_gradients = True
+    trains_under_tf_distribute = all_reduces_gradients = True
     min_devices = 2
 
     def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True):

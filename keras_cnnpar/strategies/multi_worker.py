@@ -90,7 +90,7 @@ class MultiWorker(CheckpointedStrategy):
     """
 
     description = "sync data parallel across processes, see --workers"
-    all_reduces_gradients = True
+    trains_under_tf_distribute = all_reduces_gradients = True
     min_devices = 1  # a cluster of one worker: a run resumed on fewer hosts
     device_option = "workers"
     needs_cluster = True
