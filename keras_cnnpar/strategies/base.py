@@ -303,6 +303,21 @@ class Strategy(metaclass=_Configuration):
         return self
 
 
+def build_before_fit(model, element_spec):
+    """Build ``model``'s compiled state from its batches' ``element_spec``, and skip the build of Keras's ``fit``
+    and ``evaluate`` on this instance.
+
+    Under tf.distribute, Keras builds from the first batch, whose replicas' parts
+    it averages with ``strategy.reduce``: that fails under
+    ``MultiWorkerMirroredStrategy`` (keras-team/keras#20585), and under
+    ``MirroredStrategy`` when the parts differ in size (63 examples on 2
+    replicas: "Inputs to operation AddN of type AddN must have the same size and
+    shape"), with Keras's own ``fit`` too.
+    """
+    rebuild.build_compiled_state(model, element_spec, model.distribute_strategy.scope())
+    model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
+
+
 def clip_the_replicas_sum(optimizer):
     """Make ``optimizer`` clip the sum of the replicas' gradients, as ``Single`` clips the whole batch's.
 
@@ -373,6 +388,8 @@ class Run:
 
     def fit(self, train, **fit_kwargs):
         """Train the prepared model on the batched dataset ``train``; return Keras's ``History``."""
+        if self.strategy._tf_strategy() is not None:
+            build_before_fit(self.model, train.element_spec)
         return self.model.fit(self.strategy.distribute(train), shuffle=False, **fit_kwargs)
 
     def reload(self):

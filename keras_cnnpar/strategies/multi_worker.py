@@ -13,7 +13,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import arguments, local_workers, network, rebuild
+from keras_cnnpar import arguments, local_workers, network
 from keras_cnnpar import cluster as cluster_lib
 from keras_cnnpar.strategies import base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
@@ -311,16 +311,15 @@ def _contain_keras_20585(model, element_spec):
     Keras 3 fails there in two places (keras-team/keras#20585):
 
     1. ``_maybe_symbolic_build`` reduces a ``PerReplica`` input batch with
-       ``strategy.reduce``. The model, its loss and metrics are built here from
-       the dataset's element spec instead, and the step is skipped.
+       ``strategy.reduce``. The model, its loss and metrics are built from the
+       dataset's element spec instead (``base.build_before_fit``).
     2. The step's logs are reduced with ``strategy.reduce("MEAN", value, axis=0)``,
        which rejects scalars. The logs are equal on every replica (the metrics
        are synced), so they are given shape ``[1]`` and the mean is their value.
 
     Only the attributes of this instance change; Keras's classes stay as they are.
     """
-    rebuild.build_compiled_state(model, element_spec, model.distribute_strategy.scope())
-    model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
+    base.build_before_fit(model, element_spec)
     model.train_step = _logs_as_vectors(model.train_step)
     model.test_step = _logs_as_vectors(model.test_step)
 
