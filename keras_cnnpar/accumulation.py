@@ -1,10 +1,12 @@
 """Gradient accumulation: one optimizer step, and one gradient sync, per ``K`` micro-batches.
 
 Each training step reads ``K`` micro-batches at once (a batch of ``K *
-batch_size``), computes the gradient of each in turn, and applies their mean
-once. Only one micro-batch's activations live at a time, and under a
-``tf.distribute`` strategy the replicas all-reduce once per step, not once per
-micro-batch. The update equals one step on the ``K``-times larger batch.
+batch_size``), computes the gradient of each in turn, weighed by its share of
+the batch, and applies their sum once. Only one micro-batch's activations live
+at a time, and under a ``tf.distribute`` strategy the replicas all-reduce once
+per step, not once per micro-batch. The update equals one step on the
+``K``-times larger batch. The mirrored strategies take this step with ``K = 1``
+too, for its weighing of replicas that hold parts of unequal size.
 (Keras's own ``gradient_accumulation_steps`` fails under ``MirroredStrategy``:
 its ``merge_call`` inside a ``cond``.)
 
@@ -36,7 +38,15 @@ class Wrapper(keras.Model):
 
 
 class Accumulating(Wrapper):
-    """Trains ``inner`` with the mean gradient of ``micro_batches`` slices of each batch, applied once."""
+    """Trains ``inner`` with the gradient of the whole batch, summed over ``micro_batches`` slices and applied once.
+
+    Each slice's mean loss is weighed by its share of the global batch (its
+    examples over the examples of every slice of every replica), so a step is
+    one device's step on the whole batch however unevenly the slices or the
+    replicas split it. (Keras's own step, under ``MirroredStrategy``, weighs
+    every replica's mean alike: of 63 examples on 2 replicas, one of the 31
+    weighs 1/62 and one of the 32 weighs 1/64.)
+    """
 
     def __init__(self, inner, micro_batches):
         super().__init__(inner)
@@ -47,14 +57,20 @@ class Accumulating(Wrapper):
 
     def train_step(self, data):
         total = None
-        for x, y, sample_weight in split_batch(keras.utils.unpack_x_y_sample_weight(data), self.micro_batches):
+        data = keras.utils.unpack_x_y_sample_weight(data)
+        examples = tf.shape(tf.nest.flatten(data[0])[0])[0]
+        context = tf.distribute.get_replica_context()
+        replicas = 1 if context is None else context.num_replicas_in_sync
+        batch = examples if replicas == 1 else context.all_reduce(tf.distribute.ReduceOp.SUM, examples)
+        for x, y, sample_weight in split_batch(data, self.micro_batches):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x, training=True)
                 loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+                size = tf.shape(tf.nest.flatten(x)[0])[0]
                 # The epoch's "loss", as Keras's own train_step tracks it (it read 0.0 without).
-                self._loss_tracker.update_state(unscale_loss_for_distribution(loss),
-                                                sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
-                scaled_loss = self.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
+                self._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=size)
+                share = tf.cast(size * replicas * self.micro_batches, loss.dtype) / tf.cast(batch, loss.dtype)
+                scaled_loss = self.optimizer.scale_loss(loss * share)  # float16's loss scaling; else unchanged
             gradients = tape.gradient(scaled_loss, self.trainable_variables)
             total = gradients if total is None else [a + b for a, b in zip(total, gradients)]
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -75,6 +91,9 @@ def split_batch(batch, parts):
             for start, stop in itertools.pairwise(bounds)]
 
 
-def wrap(clone, micro_batches):
-    """A clone function for ``rebuild``: ``clone``'s copy, accumulating over ``micro_batches`` when above 1."""
-    return clone if micro_batches == 1 else (lambda model: Accumulating(clone(model), micro_batches))
+def wrap(clone, micro_batches, replicas=1):
+    """A clone function for ``rebuild``: ``clone``'s copy, accumulating over ``micro_batches`` when above 1, and
+    weighing each replica's part of a batch by its size when ``replicas`` (in sync) are above 1."""
+    if micro_batches == 1 and replicas == 1:
+        return clone
+    return lambda model: Accumulating(clone(model), micro_batches)

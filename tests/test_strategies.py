@@ -387,17 +387,15 @@ def test_a_model_with_a_lambda_and_a_layer_and_loss_of_the_users_own_trains_as_i
 def test_a_batch_the_replicas_split_unevenly_trains_and_validates_as_single(few_digits):
     """Keras's ``fit`` under MirroredStrategy averaged the replicas' parts of the first batch to build the model,
     and failed on 32 and 31 examples ("Inputs to operation AddN of type AddN must have the same size and
-    shape"), with Keras's own ``fit`` too. The step is not quite Single's: as in Keras's MirroredStrategy, each
-    replica's mean loss weighs the same, so an example of the 31 weighs 1/62 and one of the 32 weighs 1/64
-    (the losses here 6e-4 apart, relative; with even parts a step is Single's within 1e-5, as
-    test_one_sgd_step_matches_single_within_1e_5 holds)."""
+    shape"), with Keras's own ``fit`` too. And Keras's step weighs each replica's mean loss alike, so an example
+    of the 31 weighed 1/62 and one of the 32 weighed 1/64: the losses ended 6e-4 apart, relative."""
     x, y = few_digits[0][:126], few_digits[1][:126]
     settings = {"batch_size": 63, "epochs": 2, "shuffle": False, "verbose": 0, "validation_data": (x[:63], y[:63]),
                 "results_dir": None}
     expected = build_small_cnn().fit(x, y, strategy="single", **settings).history
     history = build_small_cnn().fit(x, y, strategy=cnnpar.DataParallel(2), **settings).history
-    assert history["loss"] == pytest.approx(expected["loss"], rel=2e-3)
-    assert history["val_loss"] == pytest.approx(expected["val_loss"], rel=2e-3)
+    assert history["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    assert history["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("clipping", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05}, {"clipvalue": 0.002}], ids=str)

@@ -270,7 +270,8 @@ class Strategy(metaclass=_Configuration):
         prepared = rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                    steps_per_execution=self.steps_per_execution, precision=settings.precision,
                                    fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
-                                   clone=accumulation.wrap(clone, self.accumulate))
+                                   clone=accumulation.wrap(clone, self.accumulate,
+                                                           self.num_replicas if self.all_reduces_gradients else 1))
         if self.all_reduces_gradients:
             clip_the_replicas_sum(prepared.optimizer)
         return prepared
