@@ -48,9 +48,11 @@ class Accumulating(Wrapper):
     weighs 1/62 and one of the 32 weighs 1/64.)
     """
 
-    def __init__(self, inner, micro_batches):
+    def __init__(self, inner, micro_batches, over_replicas=None):
         super().__init__(inner)
         self.micro_batches = micro_batches
+        #: ``examples -> (the batch's examples on every replica, the replicas)``; None: one replica.
+        self.over_replicas = over_replicas or (lambda examples: (examples, 1))
 
     def call(self, inputs, training=False):
         return self.inner(inputs, training=training)
@@ -58,10 +60,7 @@ class Accumulating(Wrapper):
     def train_step(self, data):
         total = None
         data = keras.utils.unpack_x_y_sample_weight(data)
-        examples = tf.shape(tf.nest.flatten(data[0])[0])[0]
-        context = tf.distribute.get_replica_context()
-        replicas = 1 if context is None else context.num_replicas_in_sync
-        batch = examples if replicas == 1 else context.all_reduce(tf.distribute.ReduceOp.SUM, examples)
+        batch, replicas = self.over_replicas(tf.shape(tf.nest.flatten(data[0])[0])[0])
         for x, y, sample_weight in split_batch(data, self.micro_batches):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x, training=True)
@@ -91,9 +90,9 @@ def split_batch(batch, parts):
             for start, stop in itertools.pairwise(bounds)]
 
 
-def wrap(clone, micro_batches, replicas=1):
+def wrap(clone, micro_batches, over_replicas=None):
     """A clone function for ``rebuild``: ``clone``'s copy, accumulating over ``micro_batches`` when above 1, and
-    weighing each replica's part of a batch by its size when ``replicas`` (in sync) are above 1."""
-    if micro_batches == 1 and replicas == 1:
+    weighing each replica's part of a batch by its size when given ``over_replicas`` (see ``Accumulating``)."""
+    if micro_batches == 1 and over_replicas is None:
         return clone
-    return lambda model: Accumulating(clone(model), micro_batches)
+    return lambda model: Accumulating(clone(model), micro_batches, over_replicas)
