@@ -451,6 +451,22 @@ def option_against_keras(build, alias, few_digits):
     return max_weight_difference(expected, without), max_weight_difference(model, expected)
 
 
+def test_validation_batch_size_sets_the_size_of_the_validation_batches(few_digits):
+    """The strategies that train with Keras's ``fit`` batched numpy validation data by ``batch_size`` and passed
+    ``validation_batch_size`` on to Keras, which ignores it for a dataset: the option changed nothing."""
+    seen = []
+
+    class ValidationBatches(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            seen.append(batch)
+
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    build_small_cnn().fit(x, y, batch_size=64, epochs=1, verbose=0, validation_data=(x[:64], y[:64]),
+                          validation_batch_size=16, callbacks=[ValidationBatches()], strategy=cnnpar.DataParallel(2),
+                          results_dir=None)
+    assert seen == [0, 1, 2, 3]  # 64 validation digits in 4 batches of 16
+
+
 @pytest.mark.parametrize("alias", ["channels", "hybrid"])  # the others train with Keras's own fit
 def test_a_dict_of_the_named_input_trains_as_the_array_does(alias, few_digits):
     """The mesh's loop read the batch's x as one tensor and failed on ``{"image": x}`` with an AttributeError."""
