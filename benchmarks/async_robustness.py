@@ -1,14 +1,14 @@
 """AsyncPS against Single, seed by seed: validation accuracy of the three model kinds with the default options.
 
-For every model kind (2+2, 3+3, resnet), every seed and 2 and 4 workers (1 parameter server), the same model
-(same seed: same initial weights, same shuffles) trains for ``--epochs`` epochs on the 4,000-image training
-part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then given the strategy
-(as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per model kind and
-worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's AsyncPS
-accuracy within 3 points of Single's for the same seed, and no run below 0.5. ``--repeats R`` trains every
-AsyncPS configuration R times per seed (Single's run is deterministic): with 4 workers on 2 cores the
-outcome depends on when each worker's steps land, and the same rule measured 1.6 and 9.2 points behind at
-worst in two runs (docs/benchmarks.md).
+For every model kind (2+2, 3+3, resnet), every seed and 2 and 4 workers (1 parameter server), the same model (same
+seed: same initial weights, same shuffles, same dropout masks) trains for ``--epochs`` epochs on the 4,000-image
+training part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then given the
+strategy (as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per model
+kind and worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's
+AsyncPS accuracy within 3 points of Single's for the same seed, and no run below 0.5. ``--repeats R`` trains every
+AsyncPS configuration R times per seed (Single's run is deterministic): with 4 workers on 2 cores the outcome
+depends on when each worker's steps land, and the same rule measured 1.6 and 9.2 points behind at worst in two runs
+(docs/benchmarks.md).
 
 Run: python benchmarks/async_robustness.py [--seeds 5] [--repeats 1] [--epochs 3] [--models 2+2,3+3,resnet]
 """

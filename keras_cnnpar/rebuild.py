@@ -3,8 +3,9 @@
 A strategy trains a *prepared* copy of the user's model: built again under the
 strategy's scope, with the same weights, the same compile settings (optimizer
 config, loss, metrics) and, when the user's optimizer already took steps, the
-same optimizer state. After training the state goes back the other way. The
-learning rate is never copied, so a strategy's scaled rate stays its own. What
+same optimizer state, and the same state of its random layers (:func:`random_states`). After
+training the state goes back the other way. The learning rate is never copied, so a strategy's scaled
+rate stays its own. What
 ``optimizer.exclude_from_weight_decay`` set, which Keras keeps out of the
 optimizer's config, goes to the copy too (:func:`weight_decay_exclusions`).
 
@@ -161,8 +162,10 @@ def set_precision(model, precision):
 
 
 def copy_state(source, target):
-    """Copy weights, and optimizer state once ``source``'s optimizer is built, into ``target``."""
+    """Copy weights, the random layers' states, and optimizer state once ``source``'s optimizer is built,
+    into ``target``."""
     target.set_weights(source.get_weights())
+    set_random_states(target, [state.numpy() for state in random_states(source)])
     if not source.optimizer.built:
         return
     if not target.optimizer.built:
@@ -204,6 +207,33 @@ def exclude_from_weight_decay(model, exclusions):
     optimizer._exclude_from_weight_decay = {optimizer._var_key(variables[i]) for i in positions}
     optimizer._exclude_from_weight_decay_pattern = None if pattern is None else re.compile(pattern)
     optimizer._exclude_from_weight_decay_cache = {}
+
+
+def random_states(model):
+    """The state variables of ``model``'s random layers (the seed generators of ``Dropout`` and kin), in order.
+
+    Keras keeps them out of ``get_weights()`` and out of a saved model, and a
+    clone draws new seeds from Python's ``random``, so without them a strategy's
+    copy drops other units than ``fit`` would from the same
+    ``keras.utils.set_random_seed``, and AsyncPS's coordinator process (whose
+    Python ``random`` nobody seeded) others in every run.
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    >>> [state.path for state in random_states(model)]
+    ['seed_generator/seed_generator_state']
+    """
+    weights = {id(weight) for weight in model.weights}
+    return [variable for variable in model.variables if id(variable) not in weights]
+
+
+def set_random_states(model, values):
+    """Assign ``values`` (from :func:`random_states` of a model of the same layers) to ``model``'s states."""
+    states = random_states(model)
+    if len(states) != len(values):
+        raise ValueError(f"random layer states differ: {len(values)} given, {len(states)} in the model. "
+                         f"Received: model={model.name}")
+    for state, value in zip(states, values):
+        state.assign(value)
 
 
 def optimizer_state(optimizer):

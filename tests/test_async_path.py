@@ -146,33 +146,28 @@ def test_the_users_model_gets_the_coordinators_optimizer_state(observed_run):
     assert max(float(np.max(np.abs(slot))) for slot in mine[2:]) > 0.0  # momentum slots that trained
 
 
-#: Single's last validation accuracy after the same 4 epochs of the 3+3, seeds 1-3: 0.963-0.969 (the lowest
-#: here). Measured, not retrained in the suite (45 s per seed); ``test_accuracy.py`` keeps Single's own floors.
-SINGLE_3_PLUS_3_LAST = 0.963
-
-
 @pytest.mark.parametrize("seed", [1, 3])
-def test_the_3_plus_3_cnn_under_async_ps_2_never_collapses_and_reaches_single(seed):
+def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_3_points_of_single(seed):
     """The seed's 3+3 CNN (SGD 0.05, Nesterov momentum 0.9) collapsed in some seeds before the default warm-up
     and the division by (1 + staleness)^2 (docs/strategies.md). Without the division (staleness_aware=False),
     4 epochs, AMD Zen 5: seed 1 0.872, **0.336**, 0.703, 0.907 and seed 3 0.902, 0.810, **0.605**, 0.819 in one
-    run; 0.905, 0.895, 0.935, 0.968 and 0.926, 0.933, 0.921, 0.950 in the next (the collapse depends on which
-    worker's update lands first). With it, five quiet runs of seeds 1-3: every epoch after the first 0.920 or
-    more, the last 0.959-0.975 against Single's 0.963-0.969; under CI's load (both cores busy with other
-    tests) seed 1 once dipped in its last epoch (0.921, 0.951, 0.966, 0.865) and once ended at 0.935. In a
-    quiet run of this test one of the seeds started slowly inside the warm-up, whose steps are sequential
-    (0.355, 0.837, 0.920, 0.926; 8 more runs of seeds 1 and 3 printed 0.874-0.930 after the first epoch and
-    0.951-0.968 at the last, 5 more passed). So the guard is the collapse: no epoch after the first below
-    0.80, and the best within 5 points of Single's last. The 3-point gap of the last epoch is the benchmark's
-    (benchmarks/async_robustness.py), with the other seeds and Single trained beside it."""
+    run (the collapse depends on which worker's update lands first). The warm-up's updates are Single's, one
+    after another on the same batches with the same dropout masks, so the first epoch is Single's; before the
+    coordinator took the Dropout's seed state from the user's model it drew its own, and a seed that started
+    slowly there (0.355 after the first epoch) ended 4 points behind. With both, 3 epochs, 7 runs of each
+    seed (6 of them two at a time): seed 1 0.945-0.959 against Single's 0.961, seed 3 0.957-0.967 against
+    0.958."""
     train, validation = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
-    keras.utils.set_random_seed(seed)
-    model = cnnpar.models.cnn("3+3")  # built first, as with fit(strategy="async-ps")
-    history = model.fit(train.x, train.y, batch_size=64, epochs=4, validation_data=(validation.x, validation.y),
-                        strategy=cnnpar.AsyncPS(workers=2, checkpoint_dir=None), results_dir=None, verbose=0)
-    accuracy = history.history["val_accuracy"]
-    assert min(accuracy[1:]) >= 0.80, accuracy  # no collapse after the first epoch
-    assert max(accuracy[1:]) >= SINGLE_3_PLUS_3_LAST - 0.05, accuracy
+    histories = {}
+    for name, strategy in [("single", cnnpar.Single()), ("async", cnnpar.AsyncPS(workers=2, checkpoint_dir=None))]:
+        keras.utils.set_random_seed(seed)
+        model = cnnpar.models.cnn("3+3")  # built first, as with fit(strategy="async-ps")
+        histories[name] = model.fit(train.x, train.y, batch_size=64, epochs=3, strategy=strategy, verbose=0,
+                                    validation_data=(validation.x, validation.y), results_dir=None).history
+    single, asynchronous = histories["single"], histories["async"]
+    assert asynchronous["loss"][0] == pytest.approx(single["loss"][0], rel=1e-5)  # the warm-up: Single's steps
+    assert min(asynchronous["val_accuracy"]) >= 0.5, asynchronous["val_accuracy"]
+    assert asynchronous["val_accuracy"][-1] >= single["val_accuracy"][-1] - 0.03, (single, asynchronous)
 
 
 def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():

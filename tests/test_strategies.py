@@ -437,6 +437,26 @@ def test_variables_excluded_from_weight_decay_stay_excluded(alias, few_digits):
     assert moved > 1e-3 and off < 1e-5
 
 
+@pytest.mark.parametrize("alias", ["single", "layers", "async-ps"])
+def test_dropout_drops_the_units_kerass_fit_drops_from_the_same_seed(alias, few_digits):
+    """Keras's clone and saved model leave a Dropout's seed generator out, so a strategy's copy drew new seeds
+    from Python's ``random``: every strategy dropped other units than Keras's ``fit`` from the same seed, and
+    AsyncPS's coordinator process others in every run (weights 0.06 apart after 8 steps). The user's model ends
+    with the seed state Keras's ``fit`` leaves. (DataParallel's replicas each draw their half batch's mask
+    from the same state, as under Keras's own MirroredStrategy, and the mesh draws its own.)"""
+    def dropping_cnn(dropout):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 5, activation="relu"), keras.layers.MaxPooling2D(4),
+            keras.layers.Flatten(), keras.layers.Dropout(0.5 if dropout else 0.0),
+            keras.layers.Dense(10, activation="softmax")])
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        return cnnpar.parallel(model)
+
+    moved, off = option_against_keras(dropping_cnn, alias, few_digits)
+    assert moved > 1e-3 and off < 1e-5
+
+
 def option_against_keras(build, alias, few_digits):
     """``(how far an option moves Keras's trained weights, how far the strategy's are from Keras's)``: 2 epochs
     of 128 digits of ``build(True)`` (the option on) and ``build(False)`` under Keras's ``fit``, and of

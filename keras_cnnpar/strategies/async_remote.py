@@ -50,6 +50,8 @@ from keras_cnnpar.subprocesses import library_command
 READY, EPOCH, DONE, ERROR = "CNNPAR-READY ", "CNNPAR-EPOCH ", "CNNPAR-DONE", "CNNPAR-ERROR "
 #: How long the user's process lets a failed coordinator finish writing its traceback before ending it.
 ERROR_EXIT_SECONDS = 10
+#: The file of the folder that holds the trained model's random layer states (``rebuild.random_states``).
+RANDOM_STATES = "random_states.json"
 #: The file of the folder that holds the user's classes and functions the model names (``rebuild.custom_objects``).
 CUSTOM_OBJECTS = "custom_objects.pickle"
 
@@ -76,11 +78,13 @@ class CoordinatorProcessRun(Run):
         self.child, self.trained = None, None
         try:
             model.save(self.folder / "model.keras")
-            # What the saved model does not hold: the exclusions from weight decay, and the classes and
-            # functions of the user's own that it names (a script's by value), with the path to their modules.
+            # What the saved model does not hold: the exclusions from weight decay, the random layers' states,
+            # and the classes and functions of the user's own that it names (a script's by value), with the path
+            # to their modules.
             (self.folder / "run.json").write_text(json.dumps({
                 "options": strategy.options(), "settings": settings.as_dict(), "sys_path": sys.path,
-                "weight_decay_exclusions": rebuild.weight_decay_exclusions(model)}))
+                "weight_decay_exclusions": rebuild.weight_decay_exclusions(model),
+                "random_states": _random_states(model)}))
             (self.folder / CUSTOM_OBJECTS).write_bytes(cloudpickle.dumps(rebuild.custom_objects(model)))
             self.child = _start_coordinator(self.folder, private_network=strategy.spec is None)
             ready = json.loads(self._expect(READY))
@@ -115,6 +119,7 @@ class CoordinatorProcessRun(Run):
                 raise RuntimeError(f"the AsyncPS coordinator process failed with exit code {self.child.returncode}")
             with keras.saving.custom_object_scope(rebuild.custom_objects(self.model)):
                 self.trained = keras.saving.load_model(self.folder / "trained.keras", safe_mode=False)  # ours
+            rebuild.set_random_states(self.trained, json.loads((self.folder / RANDOM_STATES).read_text()))
             return history
         finally:
             self.close()
@@ -243,6 +248,7 @@ def _coordinate(folder, run, private_network):
     strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
     model = keras.saving.load_model(folder / "model.keras", safe_mode=False)  # the user's process wrote it
     rebuild.exclude_from_weight_decay(model, run["weight_decay_exclusions"])
+    rebuild.set_random_states(model, run["random_states"])
     training = strategy.prepare(model, RunSettings(**run["settings"]))
     checkpoint = training.checkpoint
     print(READY + json.dumps({
@@ -262,6 +268,12 @@ def _coordinate(folder, run, private_network):
     training.fit(epoch_batches, validation_data=validation, callbacks=[_Reporter(folder)], verbose=0, **request)
     training.finalize(model)
     model.save(folder / "trained.keras")
+    (folder / RANDOM_STATES).write_text(json.dumps(_random_states(model)))
+
+
+def _random_states(model):
+    """``model``'s random layer states as JSON lists (``rebuild.random_states``)."""
+    return [state.numpy().tolist() for state in rebuild.random_states(model)]
 
 
 if __name__ == "__main__":

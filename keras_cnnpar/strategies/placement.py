@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, graph
+from keras_cnnpar import arguments, graph, rebuild
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.accumulation import Wrapper, split_batch
 from keras_cnnpar.strategies import base
@@ -285,9 +285,11 @@ class StageTimes(keras.callbacks.Callback):
         x = next(iter(self.train))[0]
         x = tf.cast(x[: max(1, int(x.shape[0]) // self.run.strategy.microbatches)], model.inputs[0].dtype)  # as Keras
         layers = {layer.name: layer for layer in model.layers}
+        random_states = [state.numpy() for state in rebuild.random_states(model)]
         for stage in self.run.stages:
             seconds, x = _time_stage([layers[layer.name] for layer in stage.layers], x)
             self.seconds.append(seconds)
+        rebuild.set_random_states(model, random_states)  # the timing's dropout draws leave training's as they were
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
