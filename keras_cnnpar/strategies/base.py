@@ -274,6 +274,7 @@ class Strategy(metaclass=_Configuration):
                                    clone=accumulation.wrap(clone, self.accumulate, over_replicas))
         if self.all_reduces_gradients:
             clip_the_replicas_sum(prepared.optimizer)
+            draw_apart_on_each_replica(prepared)
         return prepared
 
     def _refuse_kerass_gradient_accumulation(self, optimizer):
@@ -351,6 +352,34 @@ def clip_the_replicas_sum(optimizer):
 
     optimizer._clip_gradients = sum_then_clip
     optimizer._all_reduce_sum_gradients = list  # summed already
+
+
+def draw_apart_on_each_replica(model):
+    """Make each replica draw its own random numbers in ``model``'s random layers (``Dropout`` and kin).
+
+    A layer's seed state is one mirrored variable, so under Keras's own
+    ``MirroredStrategy`` every replica drew the same seed and gave its part of
+    the batch the same mask: with 2 replicas, example i and example i + 32 of a
+    batch of 64 lost the same units, where ``Single`` draws a mask per example.
+    Each replica's seed is offset by its index in the first of the seed's two
+    numbers (the second counts the draws), so the replicas' streams stay
+    apart and the same seed gives the same run.
+    """
+    for layer in model._flatten_layers():
+        for generator in vars(layer).values():
+            if isinstance(generator, keras.random.SeedGenerator):
+                generator.next = _offset_by_replica(generator.next)
+
+
+def _offset_by_replica(draw):
+    def next_on_this_replica(ordered=True):
+        seed = draw(ordered)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return seed
+        return seed + tf.cast(tf.stack([context.replica_id_in_sync_group, 0]), seed.dtype)
+
+    return next_on_this_replica
 
 
 class Run:
