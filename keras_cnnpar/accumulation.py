@@ -2,7 +2,7 @@
 
 Each training step reads ``K`` micro-batches at once (a batch of ``K *
 batch_size``), computes the gradient of each in turn, weighed by its share of
-the batch, and applies their sum once. Only one micro-batch's activations live
+the batch's loss, and applies their sum once. Only one micro-batch's activations live
 at a time, and under a ``tf.distribute`` strategy the replicas all-reduce once
 per step, not once per micro-batch. The update equals one step on the
 ``K``-times larger batch. The mirrored strategies take this step with ``K = 1``
@@ -40,19 +40,23 @@ class Wrapper(keras.Model):
 class Accumulating(Wrapper):
     """Trains ``inner`` with the gradient of the whole batch, summed over ``micro_batches`` slices and applied once.
 
-    Each slice's mean loss is weighed by its share of the global batch (its
-    examples over the examples of every slice of every replica), so a step is
-    one device's step on the whole batch however unevenly the slices or the
-    replicas split it. (Keras's own step, under ``MirroredStrategy``, weighs
-    every replica's mean alike: of 63 examples on 2 replicas, one of the 31
-    weighs 1/62 and one of the 32 weighs 1/64.)
+    Each slice's loss is weighed by its share of the whole batch's, as the
+    loss's reduction makes it: its examples over the examples of every slice of
+    every replica (Keras's default, ``"sum_over_batch_size"``), its sample
+    weights over theirs (``"mean_with_sample_weight"``), or whole (``"sum"``).
+    So a step is one device's step on the whole batch however unevenly the
+    slices or the replicas split it. (Keras's own step, under
+    ``MirroredStrategy``, weighs every replica's mean alike: of 63 examples on
+    2 replicas, one of the 31 weighs 1/62 and one of the 32 weighs 1/64.)
+    Losses of several outputs with different reductions are weighed by
+    examples.
     """
 
     def __init__(self, inner, micro_batches, over_replicas=None):
         super().__init__(inner)
         self.micro_batches = micro_batches
-        #: ``examples -> (the batch's examples on every replica, the replicas)``; None: one replica.
-        self.over_replicas = over_replicas or (lambda examples: (examples, 1))
+        #: ``value -> (its sum over every replica in sync, the replicas)``; None: one replica.
+        self.over_replicas = over_replicas or (lambda value: (value, 1))
 
     def call(self, inputs, training=False):
         return self.inner(inputs, training=training)
@@ -60,7 +64,8 @@ class Accumulating(Wrapper):
     def train_step(self, data):
         total = None
         data = keras.utils.unpack_x_y_sample_weight(data)
-        batch, replicas = self.over_replicas(tf.shape(tf.nest.flatten(data[0])[0])[0])
+        reduction = loss_reduction(self.loss)
+        whole, replicas = self.over_replicas(_denominator(reduction, data))
         for x, y, sample_weight in split_batch(data, self.micro_batches):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x, training=True)
@@ -68,13 +73,38 @@ class Accumulating(Wrapper):
                 size = tf.shape(tf.nest.flatten(x)[0])[0]
                 # The epoch's "loss", as Keras's own train_step tracks it (it read 0.0 without).
                 self._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=size)
-                share = tf.cast(size * replicas * self.micro_batches, loss.dtype) / tf.cast(batch, loss.dtype)
-                scaled_loss = self.optimizer.scale_loss(loss * share)  # float16's loss scaling; else unchanged
+                part = _denominator(reduction, (x, y, sample_weight))
+                share = tf.math.divide_no_nan(part * replicas * self.micro_batches, whole)
+                scaled_loss = self.optimizer.scale_loss(loss * tf.cast(share, loss.dtype))  # float16's scaling
             gradients = tape.gradient(scaled_loss, self.trainable_variables)
             total = gradients if total is None else [a + b for a, b in zip(total, gradients)]
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.optimizer.apply([g / self.micro_batches for g in total], self.trainable_variables)
         return self.get_metrics_result()
+
+
+def loss_reduction(loss):
+    """The reduction of every loss in ``loss`` (``compile``'s: a loss, or a list or dict of them), or None where
+    they differ. A loss given by name or as a function reduces as Keras's default, ``"sum_over_batch_size"``.
+
+    >>> loss_reduction(["mse", keras.losses.MeanSquaredError(reduction="sum")]) is None
+    True
+    """
+    reductions = {getattr(item, "reduction", "sum_over_batch_size") for item in keras.tree.flatten(loss)}
+    return reductions.pop() if len(reductions) == 1 else None
+
+
+def _denominator(reduction, batch):
+    """What ``batch`` (``x, y, sample_weight``) adds to what the loss's ``reduction`` divides by: its examples, or
+    the sum of its sample weights under ``"mean_with_sample_weight"``. Under ``"sum"``, which divides by nothing
+    (and which Keras leaves unscaled by the replicas), 1 for a replica's batch and for each of its slices alike,
+    so that every slice's sum weighs whole."""
+    x, _, sample_weight = batch
+    if reduction == "sum":
+        return tf.constant(1.0)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        return tf.reduce_sum(tf.cast(sample_weight, "float32"))
+    return tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], "float32")
 
 
 def split_batch(batch, parts):
@@ -92,7 +122,8 @@ def split_batch(batch, parts):
 
 def wrap(clone, micro_batches, over_replicas=None):
     """A clone function for ``rebuild``: ``clone``'s copy, accumulating over ``micro_batches`` when above 1, and
-    weighing each replica's part of a batch by its size when given ``over_replicas`` (see ``Accumulating``)."""
+    weighing each replica's part of a batch by its share of the loss when given ``over_replicas`` (see
+    ``Accumulating``)."""
     if micro_batches == 1 and over_replicas is None:
         return clone
     return lambda model: Accumulating(clone(model), micro_batches, over_replicas)

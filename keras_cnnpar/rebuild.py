@@ -219,8 +219,8 @@ def random_states(model):
     Python ``random`` nobody seeded) others in every run.
 
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
-    >>> [state.path for state in random_states(model)]
-    ['seed_generator/seed_generator_state']
+    >>> [(state.name, tuple(state.shape)) for state in random_states(model)]
+    [('seed_generator_state', (2,))]
     """
     weights = {id(weight) for weight in model.weights}
     return [variable for variable in model.variables if id(variable) not in weights]

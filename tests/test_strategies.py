@@ -475,6 +475,32 @@ def test_each_replica_of_data_parallel_drops_its_own_units():
     assert np.mean(model.get_weights()[0] != 1.0) > 0.65
 
 
+@pytest.mark.parametrize("reduction, strategy, batch_size", [
+    ("sum", cnnpar.Single(accumulate=2), 32), ("sum", cnnpar.DataParallel(2), 63),
+    ("mean_with_sample_weight", cnnpar.Single(accumulate=2), 32),
+    ("mean_with_sample_weight", cnnpar.DataParallel(2), 64)], ids=str)
+def test_a_step_is_kerass_step_on_the_whole_batch_whatever_the_losss_reduction(reduction, strategy, batch_size,
+                                                                                  few_digits):
+    """The parts of a batch (micro-batches, replicas) were weighed by their examples whatever the loss reduced
+    by: with ``reduction="sum"`` two micro-batches stepped half as far as Keras on the whole batch, and under
+    ``"mean_with_sample_weight"`` each replica divided by its own weights (loss 2.28867 where Single's was
+    2.28792 after 2 epochs)."""
+    def reduced_by(reduction):
+        model = build_small_cnn()
+        model.compile(keras.optimizers.SGD(0.002 if reduction == "sum" else 0.1),
+                      keras.losses.SparseCategoricalCrossentropy(reduction=reduction))
+        return model
+
+    x, y = few_digits[0][:126], few_digits[1][:126]
+    weights = np.random.default_rng(0).uniform(0.1, 2.0, len(x)).astype("float32")
+    settings = {"sample_weight": weights, "epochs": 1, "shuffle": False, "verbose": 0}
+    expected = reduced_by(reduction)
+    expected.fit(x, y, batch_size=batch_size * strategy.accumulate, **settings)
+    model = reduced_by(reduction)
+    model.fit(x, y, batch_size=batch_size, strategy=strategy, results_dir=None, **settings)
+    assert max_weight_difference(model, expected) < 1e-5
+
+
 def option_against_keras(build, alias, few_digits):
     """``(how far an option moves Keras's trained weights, how far the strategy's are from Keras's)``: 2 epochs
     of 128 digits of ``build(True)`` (the option on) and ``build(False)`` under Keras's ``fit``, and of

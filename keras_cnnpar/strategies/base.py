@@ -267,7 +267,7 @@ class Strategy(metaclass=_Configuration):
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
-        over_replicas = examples_over_replicas if self.all_reduces_gradients else None  # parts weighed by size
+        over_replicas = summed_over_replicas if self.all_reduces_gradients else None  # parts weighed by size
         prepared = rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                    steps_per_execution=self.steps_per_execution, precision=settings.precision,
                                    fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
@@ -320,12 +320,13 @@ def build_before_fit(model, element_spec):
     model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
 
 
-def examples_over_replicas(examples):
-    """``(the examples of a batch over every replica in sync, the replicas)``, from this replica's ``examples``."""
+def summed_over_replicas(value):
+    """``(value summed over every replica in sync, the replicas)``, from this replica's ``value`` (a count of the
+    batch's examples, say)."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return examples, 1
-    return context.all_reduce(tf.distribute.ReduceOp.SUM, examples), context.num_replicas_in_sync
+        return value, 1
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value), context.num_replicas_in_sync
 
 
 def clip_the_replicas_sum(optimizer):
