@@ -2,11 +2,11 @@
 
 Each training step reads ``K`` micro-batches at once (a batch of ``K *
 batch_size``), computes the gradient of each in turn, weighed by its share of
-the batch's loss, and applies their sum once. Only one micro-batch's activations live
-at a time, and under a ``tf.distribute`` strategy the replicas all-reduce once
-per step, not once per micro-batch. The update equals one step on the
-``K``-times larger batch. The mirrored strategies take this step with ``K = 1``
-too, for its weighing of replicas that hold parts of unequal size.
+the batch's loss, and applies their sum once. Only one micro-batch's
+activations live at a time, and under a ``tf.distribute`` strategy the replicas
+all-reduce once per step, not once per micro-batch. The update equals one step
+on the ``K``-times larger batch. The mirrored strategies take this step with
+``K = 1`` too, for its weighing of replicas that hold parts of unequal size.
 (Keras's own ``gradient_accumulation_steps`` fails under ``MirroredStrategy``:
 its ``merge_call`` inside a ``cond``.)
 

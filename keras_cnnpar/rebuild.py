@@ -1,11 +1,11 @@
 """Rebuilding a Keras model for a strategy, and carrying its state across.
 
 A strategy trains a *prepared* copy of the user's model: built again under the
-strategy's scope, with the same weights, the same compile settings (optimizer
-config, loss, metrics) and, when the user's optimizer already took steps, the
-same optimizer state, and the same state of its random layers (:func:`random_states`). After
-training the state goes back the other way. The learning rate is never copied, so a strategy's scaled
-rate stays its own. What
+strategy's scope, with the same weights, the same state of its random layers
+(:func:`random_states`), the same compile settings (optimizer config, loss,
+metrics) and, when the user's optimizer already took steps, the same optimizer
+state. After training the state goes back the other way. The learning rate is
+never copied, so a strategy's scaled rate stays its own. What
 ``optimizer.exclude_from_weight_decay`` set, which Keras keeps out of the
 optimizer's config, goes to the copy too (:func:`weight_decay_exclusions`).
 

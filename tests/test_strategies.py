@@ -441,9 +441,8 @@ def test_variables_excluded_from_weight_decay_stay_excluded(alias, few_digits):
 def test_dropout_drops_the_units_kerass_fit_drops_from_the_same_seed(alias, few_digits):
     """Keras's clone and saved model leave a Dropout's seed generator out, so a strategy's copy drew new seeds
     from Python's ``random``: every strategy dropped other units than Keras's ``fit`` from the same seed, and
-    AsyncPS's coordinator process others in every run (weights 0.06 apart after 8 steps). The user's model ends
-    with the seed state Keras's ``fit`` leaves. (DataParallel's replicas each draw their half batch's mask
-    from the same state, as under Keras's own MirroredStrategy, and the mesh draws its own.)"""
+    AsyncPS's coordinator process others in every run (weights 0.06 apart after 8 steps). (DataParallel's
+    replicas draw masks of their own, see the next test, and the mesh draws its own.)"""
     def dropping_cnn(dropout):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([

@@ -267,7 +267,7 @@ class Strategy(metaclass=_Configuration):
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
-        over_replicas = summed_over_replicas if self.all_reduces_gradients else None  # parts weighed by size
+        over_replicas = summed_over_replicas if self.all_reduces_gradients else None  # parts weighed by share
         prepared = rebuild.rebuild(model, scope=self.scope(), lr_factor=self.lr_factor(),
                                    steps_per_execution=self.steps_per_execution, precision=settings.precision,
                                    fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
