@@ -48,24 +48,27 @@ import keras
 
 from keras_cnnpar import rebuild
 
-_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+#: Keras's batch hooks of training, and of validation (``fit`` runs them through ``evaluate``).
+BATCH_HOOKS = {"train": ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end"),
+               "test": ("on_test_batch_begin", "on_test_batch_end")}
 
 
-def _with_batch_hooks(callbacks):
-    """The callbacks that override one of Keras's training batch hooks."""
+def _with_batch_hooks(callbacks, phase="train"):
+    """The callbacks that override one of Keras's batch hooks of ``phase`` (``"train"`` or ``"test"``)."""
     base = keras.callbacks.Callback
     return [callback for callback in callbacks
-            if any(getattr(type(callback), hook) is not getattr(base, hook) for hook in _BATCH_HOOKS)]
+            if any(getattr(type(callback), hook) is not getattr(base, hook) for hook in BATCH_HOOKS[phase])]
 
 
-def reads_batch_logs(callbacks):
-    """Whether one of ``callbacks`` (those inside a :class:`UserModelCallbacks` too) overrides a training batch hook.
+def reads_batch_logs(callbacks, phase="train"):
+    """Whether one of ``callbacks`` (those inside a :class:`UserModelCallbacks` too) overrides a batch hook of
+    ``phase`` (``"train"`` or ``"test"``).
 
     >>> reads_batch_logs([keras.callbacks.History()]), reads_batch_logs([keras.callbacks.ProgbarLogger()])
     (False, True)
     """
-    return any(reads_batch_logs(callback.callbacks) if isinstance(callback, UserModelCallbacks)
-               else bool(_with_batch_hooks([callback])) for callback in callbacks)
+    return any(reads_batch_logs(callback.callbacks, phase) if isinstance(callback, UserModelCallbacks)
+               else bool(_with_batch_hooks([callback], phase)) for callback in callbacks)
 
 
 #: Keras's callbacks that write files, and the argument naming where (a file or a folder).

@@ -293,7 +293,7 @@ class AsyncRun(base.Run):
             callback_list.on_train_batch_end(steps - 1, logs)
             return logs
 
-        def validate():
+        def validate(_):  # the callbacks run in the user's process: no batch hooks from here
             evaluator.set_weights(prepared.get_weights())
             return evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
 

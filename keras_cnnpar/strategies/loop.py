@@ -23,7 +23,8 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
         model: the model the callbacks see (``callback.model``).
         train_epoch: trains one epoch and returns its logs.
         epochs, steps, callbacks, verbose, initial_epoch: as in ``keras.Model.fit``.
-        validate: None, or a function returning the validation results as a dict.
+        validate: None, or a function of the ``CallbackList`` (whose test batch hooks it may call) returning
+            the validation results as a dict.
         validation_freq: as in ``keras.Model.fit`` (see :func:`validates_after`).
         epoch_guard: None, or a function of the epoch returning a context manager
             that wraps the epoch (to turn a lost peer into a clear error).
@@ -44,7 +45,7 @@ def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, 
             logs = train_epoch(epoch, callback_list)
             if validate is not None and validates_after(epoch, validation_freq):
                 callback_list.on_test_begin()
-                results = validate()
+                results = validate(callback_list)
                 callback_list.on_test_end(results)
                 logs.update({f"val_{name}": float(value) for name, value in results.items()})
             callback_list.on_epoch_end(epoch, logs)

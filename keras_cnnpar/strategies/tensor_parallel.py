@@ -150,9 +150,10 @@ class MeshRun(base.Run):
             self._sync()
             return logs
 
-        def validate():
+        def validate(callback_list):
             return _run_batches(prepared, update_metrics, iter(validation_data), validation_steps
-                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh)
+                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh,
+                                callback_list, phase="test")
 
         return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
                                verbose=verbose, initial_epoch=initial_epoch, validation_freq=validation_freq,
@@ -286,16 +287,18 @@ def _steps(sharded, optimizer, loss_fn):
     return constrained_step, test_step
 
 
-def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_list=None):
+def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_list=None, phase="train"):
     """Run ``step`` on ``steps`` batches; update ``model``'s compiled metrics from the predictions; return the logs.
 
     The loss is the batch-size-weighted mean, as Keras reports it;
-    ``update_metrics`` is ``_metrics_update(model)``. Batch hooks are called, and
-    the logs read back after a step, only when a callback overrides a batch
-    hook (reading them costs a few ms a step).
+    ``update_metrics`` is ``_metrics_update(model)``. The batch hooks of
+    ``phase`` (``"train"``, or ``"test"`` for validation) are called, and the
+    logs read back after a step, only when a callback overrides one of them
+    (reading them costs a few ms a step).
     """
     model.reset_metrics()
-    per_batch = callback_list is not None and user_callbacks.reads_batch_logs(callback_list.callbacks)
+    per_batch = callback_list is not None and user_callbacks.reads_batch_logs(callback_list.callbacks, phase)
+    begin, end = (getattr(callback_list, f"on_{phase}_batch_{when}", None) for when in ("begin", "end"))
     total, count = 0.0, 0
 
     def logs():
@@ -305,13 +308,13 @@ def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_lis
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(batches))
         x = _only_input(x)
         if per_batch:
-            callback_list.on_train_batch_begin(index)
+            begin(index)
         loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape)))
                               for a in (x, y, sample_weight)))
         total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
         update_metrics(x, y, dtensor.unpack(y_pred)[0], sample_weight)
         if per_batch:
-            callback_list.on_train_batch_end(index, logs())
+            end(index, logs())
     return logs()
 
 
