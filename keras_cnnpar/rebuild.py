@@ -209,8 +209,13 @@ def exclude_from_weight_decay(model, exclusions):
     optimizer._exclude_from_weight_decay_cache = {}
 
 
+def seed_generators(model):
+    """The ``keras.random.SeedGenerator`` of each random layer of ``model`` (``Dropout`` and kin), in order."""
+    return [generator for layer in model._flatten_layers() for generator in layer._seed_generators]
+
+
 def random_states(model):
-    """The state variables of ``model``'s random layers (the seed generators of ``Dropout`` and kin), in order.
+    """The state variables of ``model``'s random layers (their :func:`seed_generators`), in order.
 
     Keras keeps them out of ``get_weights()`` and out of a saved model, and a
     clone draws new seeds from Python's ``random``, so without them a strategy's
@@ -222,8 +227,7 @@ def random_states(model):
     >>> [(state.name, tuple(state.shape)) for state in random_states(model)]
     [('seed_generator_state', (2,))]
     """
-    weights = {id(weight) for weight in model.weights}
-    return [variable for variable in model.variables if id(variable) not in weights]
+    return [generator.state for generator in seed_generators(model)]
 
 
 def set_random_states(model, values):

@@ -366,9 +366,8 @@ def draw_apart_on_each_replica(model):
     numbers (the second counts the draws), so the replicas' streams stay
     apart and the same seed gives the same run.
     """
-    for layer in model._flatten_layers():
-        for generator in layer._seed_generators:  # every SeedGenerator the layer holds, as Keras tracks them
-            generator.next = _offset_by_replica(generator.next)
+    for generator in rebuild.seed_generators(model):
+        generator.next = _offset_by_replica(generator.next)
 
 
 def _offset_by_replica(draw):
