@@ -51,9 +51,10 @@ class ShardCheckFailed(RuntimeError):
 class GradientParityCheck(keras.callbacks.Callback):
     """Compares the strategy's first-step gradients with Single's, from the same weights and batch.
 
-    Before training, a copy of ``model`` (dropout off, plain SGD with learning
-    rate 1) takes one step on ``(x, y)`` under a probe copy of ``strategy``;
-    the change of its weights, divided by the strategy's learning-rate factor,
+    Before training, a copy of ``model`` (plain SGD with learning rate 1, its
+    dropout, noise and augmentation layers passing their input through) takes
+    one step on ``(x, y)`` under a probe copy of ``strategy``; the change of
+    its weights, divided by the strategy's learning-rate factor,
     is the gradient the strategy applied. The reference is the gradient of the
     same loss on one device. Some models round far more than 1e-6 in float32
     (BatchNormalization after a convolution: its gradient cancels heavily), so
@@ -157,15 +158,17 @@ def _single_gradient(model, x, y):
 
 
 def _sgd_copy(model, dtype=None):
-    """A copy of ``model`` with its weights, dropout off, compiled with plain SGD (learning rate 1) and its loss;
-    with ``dtype``, every layer computes and keeps its weights in it."""
-    def without_dropout(layer, config):
-        if isinstance(layer, keras.layers.Dropout):
-            config["rate"] = 0.0
+    """A copy of ``model`` with its weights, compiled with plain SGD (learning rate 1) and its loss, whose random
+    layers (dropout, noise, augmentation: ``rebuild.draws_at_random``) pass their input through, so that every
+    copy's step is the same function of the weights; with ``dtype``, every layer computes and keeps its weights in
+    it."""
+    def deterministic(layer, config):
         if dtype is not None:
             config["dtype"] = dtype
+        if rebuild.draws_at_random(layer):
+            return keras.layers.Identity(name=layer.name, dtype=config["dtype"])
 
-    copy = rebuild.clone_with(model, without_dropout)
+    copy = rebuild.clone_with(model, deterministic)
     copy.set_weights([np.asarray(w, dtype or w.dtype) for w in model.get_weights()])
     copy.compile(optimizer=keras.optimizers.SGD(1.0), loss=model.loss)
     return copy

@@ -56,19 +56,54 @@ def is_graph(model):
 
 
 def read(model):
-    """The :class:`Graph` of ``model`` (``Sequential``, or functional with one input and one output).
+    """The :class:`Graph` of ``model`` (``Sequential``, or functional with one input and one output), a model
+    nested in it (a ``Sequential`` block used as a layer, one input and one output) read in place as its layers.
 
     The caller checks :func:`is_graph` and the number of inputs and outputs
     first; an operation called on tensors (``a + b``) appears as a call whose
     ``layer`` is no ``keras.layers.Layer``.
+
+    >>> block = keras.Sequential([keras.layers.Dense(3, name="inner")], name="block")
+    >>> nested = keras.Sequential([keras.Input((4,)), block, keras.layers.Dense(2, name="out")])
+    >>> [call.layer.name for call in read(nested).calls]
+    ['inner', 'out']
     """
     if isinstance(model, keras.Sequential):
-        layers = list(model.layers)
-        return Graph(0, [Call(layer, (i,), i + 1) for i, layer in enumerate(layers)], len(layers))
-    calls = [Call(node.operation, tuple(id(t) for t in keras.tree.flatten(node.input_tensors)), id(node.outputs[0]))
-             for depth in sorted(model._nodes_by_depth, reverse=True)
-             for node in model._nodes_by_depth[depth] if not node.is_input]
-    return Graph(id(model.inputs[0]), calls, id(model.outputs[0]))
+        calls = [Call(layer, (i,), i + 1) for i, layer in enumerate(model.layers)]
+        graph = Graph(0, calls, len(calls))
+    else:
+        calls = [Call(node.operation, tuple(id(t) for t in keras.tree.flatten(node.input_tensors)),
+                      id(node.outputs[0]))
+                 for depth in sorted(model._nodes_by_depth, reverse=True)
+                 for node in model._nodes_by_depth[depth] if not node.is_input]
+        graph = Graph(id(model.inputs[0]), calls, id(model.outputs[0]))
+    return graph._replace(calls=[inner for call in graph.calls for inner in _in_place(call)])
+
+
+def _in_place(call):
+    """``[call]``, or the calls of the model that ``call`` calls, keyed within it, between ``call``'s keys."""
+    nested = call.layer
+    if not (is_graph(nested) and len(call.inputs) == 1 and len(nested.inputs) == 1 and len(nested.outputs) == 1):
+        return [call]
+    inner = read(nested)
+    keys = {inner.input: call.inputs[0], inner.output: call.output}
+
+    def key(inner_key):
+        return keys.get(inner_key, (call.output, inner_key))
+
+    return [Call(c.layer, tuple(key(k) for k in c.inputs), key(c.output)) for c in inner.calls]
+
+
+def weight_order(model):
+    """``model``'s layers in the order of its weights (``model.weights``), a nested model's layers in its place.
+
+    >>> block = keras.Sequential([keras.layers.Dense(3, name="inner")], name="block")
+    >>> nested = keras.Sequential([keras.Input((4,)), block, keras.layers.Dense(2, name="out")])
+    >>> [layer.name for layer in weight_order(nested)]
+    ['inner', 'out']
+    """
+    return [inner for layer in model.layers
+            for inner in (weight_order(layer) if is_graph(layer) else [layer])]
 
 
 def sources(layer):

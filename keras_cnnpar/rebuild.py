@@ -107,18 +107,25 @@ def _defined_outside_keras(thing):
 
 
 def clone_with(model, change):
-    """``keras.models.clone_model``, each layer made from its config after ``change(layer, config)`` edited it.
+    """``keras.models.clone_model`` of ``model`` and of the models nested in it (a ``Sequential`` block used as a
+    layer), each layer made from its config after ``change(layer, config)`` edited it, or replaced by the layer
+    that ``change`` returns.
 
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dropout(0.5)])
     >>> clone_with(model, lambda layer, config: config.update(rate=0.1)).layers[0].rate
     0.1
+    >>> block = keras.Sequential([keras.layers.Dropout(0.5)], name="block")
+    >>> nested = keras.Sequential([keras.Input((4,)), block])
+    >>> clone = clone_with(nested, lambda layer, config: keras.layers.Identity(name=layer.name))
+    >>> type(clone.get_layer("block").layers[0]).__name__
+    'Identity'
     """
     def clone_layer(layer):
         config = layer.get_config()
-        change(layer, config)
-        return layer.__class__.from_config(config)
+        replacement = change(layer, config)
+        return replacement if replacement is not None else layer.__class__.from_config(config)
 
-    return keras.models.clone_model(model, clone_function=clone_layer)
+    return keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
 
 
 def clone_synchronized(model):
@@ -212,6 +219,21 @@ def exclude_from_weight_decay(model, exclusions):
 def seed_generators(model):
     """The ``keras.random.SeedGenerator`` of each random layer of ``model`` (``Dropout`` and kin), in order."""
     return [generator for layer in model._flatten_layers() for generator in layer._seed_generators]
+
+
+def draws_at_random(layer):
+    """Whether ``layer`` (called in a model) draws random numbers in training and leaves its input's shape, with no
+    weights: dropout, noise, a random flip or rotation; not a random crop, which changes the shape.
+
+    >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.RandomFlip(), keras.layers.GaussianNoise(0.1),
+    ...                           keras.layers.RandomCrop(4, 4), keras.layers.Dense(2)])
+    >>> [draws_at_random(layer) for layer in model.layers]
+    [True, True, False, False]
+    """
+    if not layer._seed_generators or layer.weights:
+        return False
+    shape = tuple(layer.input.shape)
+    return tuple(layer.compute_output_shape(shape)) == shape
 
 
 def random_states(model):

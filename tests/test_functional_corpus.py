@@ -165,8 +165,19 @@ def constrained(x):
     return L.Dense(10, kernel_constraint=keras.constraints.UnitNorm(0), bias_constraint="non_neg")(L.Flatten()(x))
 
 
+def augmented(x):
+    """Augmentation at the input (a nested block of RandomFlip and RandomRotation, then RandomTranslation), which
+    runs on the host with Keras's layers and seeds and so draws what Single draws; Rescaling after it; a nested
+    block with weights (Conv2D, BatchNormalization, ReLU), read in place as its layers."""
+    augment = keras.Sequential([L.RandomFlip("horizontal"), L.RandomRotation(0.1)], name="augment")
+    x = L.Rescaling(2.0)(L.RandomTranslation(0.1, 0.1)(augment(x)))
+    block = keras.Sequential([L.Conv2D(8, 3, padding="same"), L.BatchNormalization(), L.ReLU()], name="block")
+    x = L.Conv2D(16, 3, strides=2, padding="same", activation="relu")(L.MaxPooling2D()(block(x)))
+    return L.Dense(10)(L.Flatten()(x))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained]
+          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented]
 
 
 @functools.cache
@@ -189,6 +200,7 @@ def after_one_step(build, strategy, dtype, images=8):
     original = model_of(build)
     model = rebuild.clone_with(original, functools.partial(in_dtype, dtype))
     model.set_weights([w.astype(dtype) for w in original.get_weights()])
+    rebuild.set_random_states(model, [state.numpy() for state in rebuild.random_states(original)])
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = (part[:images] for part in batch())

@@ -46,6 +46,7 @@ Example:
 True
 """
 
+import collections
 import functools
 import math
 import typing
@@ -76,7 +77,7 @@ from keras_cnnpar.sharded.layers import (
 )
 
 #: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
-ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling")
+ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling", "Identity")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "SeparableConv2D",
@@ -366,6 +367,28 @@ def channel_layouts(model, batch_axis=False):
     return layouts
 
 
+def host_prefix(calls, input_key):
+    """How many of a graph's first ``calls`` run on the host, before the mesh: the chain from the input
+    (``input_key``) of weightless layers, each the only reader of the tensor before it, up to the last one that
+    channel sharding cannot convert (augmentation such as ``RandomFlip``); 0 where there is none.
+
+    >>> model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.RandomFlip(), keras.layers.Rescaling(0.5),
+    ...                           keras.layers.Conv2D(2, 3)])
+    >>> read = layer_graph(model)
+    >>> host_prefix(read.calls, read.input)  # Rescaling, which the mesh runs, stays there
+    1
+    """
+    readers = collections.Counter(key for call in calls for key in call.inputs)
+    key, count = input_key, 0
+    for index, call in enumerate(calls, 1):
+        if call.inputs != (key,) or readers[key] > 1 or call.layer.weights:
+            break
+        if type(call.layer).__name__ not in SUPPORTED:
+            count = index
+        key = call.output
+    return count
+
+
 def layer_graph(model):
     """The :class:`graph.Graph` of ``model`` that channel sharding can convert; a ``TypeError`` says why not.
 
@@ -410,16 +433,24 @@ class ShardedModel(tf.Module):
         self.mesh, self.sync_batchnorm = mesh, sync_batchnorm
         self.step = dtensor.DVariable(to_mesh(np.int64(0), dtensor.Layout.replicated(mesh, 0)), name="step")
         self.input_key, calls, self.output_key = layer_graph(model)
+        on_host = host_prefix(calls, self.input_key)
+        #: The weightless layers at the model's input that the mesh cannot run (augmentation such as
+        #: ``RandomFlip``): :meth:`preprocess` runs them on the host, Keras's own layers with their seeds.
+        self.preprocessing = [call.layer for call in calls[:on_host]]
+        if on_host:
+            self.input_key, calls = calls[on_host - 1].output, calls[on_host:]
+        self._preprocess = {training: tf.function(functools.partial(self._run_preprocessing, training=training))
+                            for training in (False, True)}
         tensors = {self.input_key: _Tensor(False, None, False)}
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
             op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
             self.nodes.append(_Node(op, inputs, output, tensors[output], layer.activity_regularizer))
-            converted[layer.name] = op
-        #: The modules with weights, in the Keras model's layer order (its weight order).
-        self.weighted = [converted[layer.name] for layer in model.layers
-                         if isinstance(converted.get(layer.name), WeightedModule)
-                         and converted[layer.name].variables_in_order]
+            converted[id(layer)] = op
+        #: The modules with weights, in the Keras model's weight order.
+        self.weighted = [converted[id(layer)] for layer in graph.weight_order(model)
+                         if isinstance(converted.get(id(layer)), WeightedModule)
+                         and converted[id(layer)].variables_in_order]
         output_layer = self.sharded_layers[-1:]
         for module in self.weighted if compute_dtype else ():
             if hasattr(module, "compute_dtype") and module not in output_layer:
@@ -430,7 +461,9 @@ class ShardedModel(tf.Module):
         kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
-                             f"layers are {', '.join(SUPPORTED)}. Received: layer={layer.name!r} ({kind})")
+                             f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
+                             f"without weights (augmentation such as RandomFlip, which runs on the host). "
+                             f"Received: layer={layer.name!r} ({kind})")
         first, output = inputs[0], output_tensor(layer, inputs, batch_axis, output_key == self.output_key)
         if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
             raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
@@ -517,8 +550,20 @@ class ShardedModel(tf.Module):
             layer.set_weights(weights[:count])
             weights = weights[count:]
 
+    def preprocess(self, x, training=False):
+        """A batch of images (local, not on the mesh) through :attr:`preprocessing`, on the host: what the mesh
+        takes. The random layers draw from their Keras seed generators, once per training batch, as in
+        Keras's ``fit``."""
+        return self._preprocess[training](x) if self.preprocessing else x
+
+    def _run_preprocessing(self, x, training):
+        for layer in self.preprocessing:
+            x = layer(x, training=training)
+        return x
+
     def __call__(self, x, training=False):
-        """Images in, probabilities out; the batch is split over ``"batch"`` when it splits evenly."""
+        """Preprocessed images in (:meth:`preprocess`), probabilities out; the batch is split over ``"batch"`` when
+        it splits evenly."""
         return self.call_with_losses(x, training)[0]
 
     def call_with_losses(self, x, training=False):
@@ -544,6 +589,7 @@ class ShardedModel(tf.Module):
 
     def forward(self, x):
         """The model on numpy images (inference), as numpy probabilities."""
+        x = self.preprocess(x)
         return to_numpy(tf.function(self.__call__)(to_mesh(x, dtensor.Layout.replicated(self.mesh, np.ndim(x)))))
 
     def report(self):

@@ -146,13 +146,13 @@ class MeshRun(base.Run):
         def train_epoch(epoch, callback_list):
             learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
             step = functools.partial(train_step, learning_rate=learning_rate)
-            logs = _run_batches(prepared, update_metrics, batches, steps, step, self.sharded.mesh, callback_list)
+            logs = _run_batches(prepared, update_metrics, batches, steps, step, self.sharded, callback_list)
             self._sync()
             return logs
 
         def validate(callback_list):
             return _run_batches(prepared, update_metrics, iter(validation_data), validation_steps
-                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded.mesh,
+                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded,
                                 callback_list, phase="test")
 
         return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
@@ -287,8 +287,9 @@ def _steps(sharded, optimizer, loss_fn):
     return constrained_step, test_step
 
 
-def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_list=None, phase="train"):
-    """Run ``step`` on ``steps`` batches; update ``model``'s compiled metrics from the predictions; return the logs.
+def _run_batches(model, update_metrics, batches, steps, step, sharded, callback_list=None, phase="train"):
+    """Run ``step`` on ``steps`` batches, each preprocessed on the host (``sharded.preprocess``) and put on
+    ``sharded``'s mesh; update ``model``'s compiled metrics from the predictions; return the logs.
 
     The loss is the batch-size-weighted mean, as Keras reports it;
     ``update_metrics`` is ``_metrics_update(model)``. The batch hooks of
@@ -309,8 +310,9 @@ def _run_batches(model, update_metrics, batches, steps, step, mesh, callback_lis
         x = _only_input(x)
         if per_batch:
             begin(index)
-        loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(mesh, len(a.shape)))
-                              for a in (x, y, sample_weight)))
+        inputs = (sharded.preprocess(x, training=phase == "train"), y, sample_weight)
+        loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(sharded.mesh, len(a.shape)))
+                              for a in inputs))
         total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
         update_metrics(x, y, dtensor.unpack(y_pred)[0], sample_weight)
         if per_batch:
