@@ -206,6 +206,21 @@ def weight_decay_exclusions(model):
     return positions, None if pattern is None else pattern.pattern
 
 
+def decayed_by(model):
+    """For each of ``model.trainable_variables``, whether its optimizer's weight decay shrinks it (none without one,
+    else all but those ``exclude_from_weight_decay`` names).
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    >>> model.compile(optimizer=keras.optimizers.AdamW(weight_decay=0.1))
+    >>> model.optimizer.exclude_from_weight_decay(var_names=["bias"])
+    >>> decayed_by(model)
+    [True, False]
+    """
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    return [optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)
+            for variable in model.trainable_variables]
+
+
 def exclude_from_weight_decay(model, exclusions):
     """Give ``model``'s optimizer, built or not, the ``exclusions`` of :func:`weight_decay_exclusions`."""
     positions, pattern = exclusions

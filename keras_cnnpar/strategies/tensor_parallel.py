@@ -99,7 +99,7 @@ class ChannelSharded(Strategy):
         compute_dtype = "bfloat16" if settings.precision == "mixed_bfloat16" else None
         sharded_model = sharded.ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
         optimizer = _MeshOptimizer(prepared.optimizer, sharded_model.trainable_weights,
-                                   fused=settings.fused_optimizer)
+                                   rebuild.decayed_by(prepared), fused=settings.fused_optimizer)
         if prepared.optimizer.built:
             optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
         return MeshRun(self, settings, prepared, sharded_model, optimizer)
@@ -348,25 +348,41 @@ def _metrics_update(model):
 
 
 class _MeshOptimizer:
-    """The update rule of a Keras SGD or Adam optimizer, on DVariables; each slot is laid out like its variable.
+    """The update rule of a Keras SGD, Adam, AdamW or RMSprop optimizer, on DVariables; each slot is laid out like
+    its variable.
 
-    Its state (``iterations``, then each variable's slots in Keras's order)
-    moves to and from the Keras optimizer, so training continues across
-    strategies. The learning rate is read from the Keras optimizer every
-    epoch, so schedules set by callbacks apply; a ``LearningRateSchedule``
-    given as the rate is evaluated at every step. With ``fused`` the updates
-    run as TensorFlow's fused kernels (``ResourceApplyAdam``,
-    ``ResourceApplyKerasMomentum``), which DTensor runs on each device's
-    shard of a DVariable, with Keras's results (see ``cnnpar.fused``).
+    Its state (``iterations``, then the slots in Keras's order: each
+    variable's for SGD and Adam, each kind's for RMSprop) moves to and from
+    the Keras optimizer, so training continues across strategies. The
+    learning rate is read from the Keras optimizer every epoch, so schedules
+    set by callbacks apply; a ``LearningRateSchedule`` given as the rate is
+    evaluated at every step. Weight decay (AdamW's, or ``weight_decay`` of any
+    of them) shrinks each variable the Keras optimizer decays (its
+    ``exclude_from_weight_decay`` kept) before the update, as Keras does. With
+    ``fused`` the updates of SGD and Adam run as TensorFlow's fused kernels
+    (``ResourceApplyAdam``, ``ResourceApplyKerasMomentum``), which DTensor runs
+    on each device's shard of a DVariable, with Keras's results (see
+    ``cnnpar.fused``); RMSprop's, and a decayed variable's, are element-wise,
+    each variable assigned once.
+
+    Args:
+        optimizer: the Keras optimizer whose rule and settings to run.
+        variables: the DVariables it updates, in the Keras model's trainable order.
+        decayed: for each of ``variables``, whether weight decay applies to it.
+        fused: whether SGD and Adam run as fused kernels.
     """
 
-    SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity")}
-    #: Settings this rule does not implement, with the value they must keep.
+    SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity"), "AdamW": ("momentum", "velocity"),
+                              "RMSprop": ("velocity", "momentum", "average_gradient")}
+    #: The optimizers whose slots Keras orders by kind (every variable's first slot, then every second), not by
+    #: variable.
+    BY_KIND: typing.ClassVar = ("RMSprop",)
+    #: Settings these rules do not implement, with the value they must keep.
     DEFAULTS: typing.ClassVar = {
-        "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+        "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
         "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
 
-    def __init__(self, optimizer, variables, fused=True):
+    def __init__(self, optimizer, variables, decayed=None, fused=True):
         kind = type(optimizer).__name__
         if kind not in self.SLOTS:
             raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
@@ -378,23 +394,39 @@ class _MeshOptimizer:
                                  f"{default!r}. Received: {key}={self.config[key]!r}")
         #: A ``LearningRateSchedule`` given as the rate: evaluated at every step, as Keras does (else None).
         self.schedule = rebuild.learning_rate_schedule(optimizer)
-        slots = self.SLOTS[kind] if kind == "Adam" or self.config["momentum"] else ()
+        decays = decayed is not None and self.config["weight_decay"]
+        self.decayed = list(decayed) if decays else [False] * len(variables)
         mesh = dtensor.fetch_layout(variables[0]).mesh
         self.scalar = dtensor.Layout.replicated(mesh, 0)
         self.iterations = dtensor.DVariable(to_mesh(np.int64(0), self.scalar), name="iterations")
         self.slots = [{name: dtensor.DVariable(to_mesh(np.zeros(v.shape, v.dtype.as_numpy_dtype),
                                                       dtensor.fetch_layout(v)))
-                       for name in slots} for v in variables]
+                       for name in self._slot_names()} for v in variables]
+
+    def _slot_names(self):
+        """The slots each variable has: SGD's momentum only with a momentum, RMSprop's only with a momentum and
+        its average gradient only when centered."""
+        names = self.SLOTS[self.kind]
+        if self.kind == "SGD":
+            return names if self.config["momentum"] else ()
+        if self.kind == "RMSprop":
+            return tuple(name for name in names if name == "velocity" or (
+                self.config["momentum"] if name == "momentum" else self.config["centered"]))
+        return names
+
+    def _slots_in_keras_order(self):
+        if self.kind in self.BY_KIND:
+            return [slots[name] for name in self._slot_names() for slots in self.slots]
+        return [slot for slots in self.slots for slot in slots.values()]
 
     def get_state(self):
         """``[iterations, *slots]`` as numpy, in the Keras optimizer's order."""
-        return [to_numpy(self.iterations),
-                *(to_numpy(slot) for slots in self.slots for slot in slots.values())]
+        return [to_numpy(self.iterations), *(to_numpy(slot) for slot in self._slots_in_keras_order())]
 
     def set_state(self, state):
         """Load ``[iterations, *slots]`` (Keras's optimizer variables, learning rate excluded)."""
         self.iterations.assign(to_mesh(np.int64(state[0]), self.scalar))
-        for variable, value in zip((s for slots in self.slots for s in slots.values()), state[1:]):
+        for variable, value in zip(self._slots_in_keras_order(), state[1:]):
             variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
 
     def apply(self, gradients, variables, learning_rate):
@@ -407,43 +439,74 @@ class _MeshOptimizer:
         iterations = self.iterations.read_value()
         if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
             learning_rate = self.schedule(iterations)
-        rule = self._sgd if self.kind == "SGD" else self._adam
-        for gradient, variable, slots in zip(gradients, variables, self.slots):
-            rule(gradient, variable, slots, tf.cast(learning_rate, variable.dtype), iterations)
+        rule = {"SGD": self._sgd, "RMSprop": self._rmsprop}.get(self.kind, self._adam)
+        for gradient, variable, slots, decayed in zip(gradients, variables, self.slots, self.decayed):
+            learning_rate_here = tf.cast(learning_rate, variable.dtype)
+            if decayed or self.kind in self.BY_KIND or not self.fused:
+                step = rule(gradient, slots, learning_rate_here, iterations, variable.dtype)
+                value = variable.read_value()
+                if decayed:
+                    value = value - value * tf.cast(self.config["weight_decay"], variable.dtype) * learning_rate_here
+                variable.assign(value + step)
+            else:
+                self._fused(gradient, variable, slots, learning_rate_here, iterations)
         self.iterations.assign(iterations + 1)
 
-    def _sgd(self, gradient, variable, slots, learning_rate, iterations):
+    def _sgd(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's SGD (its momentum slot assigned)."""
         if not slots:
-            variable.assign_sub(gradient * learning_rate)
-            return
+            return -gradient * learning_rate
         momentum = self.config["momentum"]
-        if self.fused:
-            tf.raw_ops.ResourceApplyKerasMomentum(var=variable.handle, accum=slots["momentum"].handle, lr=learning_rate,
-                                                  grad=gradient, momentum=self._scalar(momentum, variable.dtype),
-                                                  use_nesterov=self.config["nesterov"])
-            return
         m = slots["momentum"] * momentum - gradient * learning_rate
         slots["momentum"].assign(m)
-        variable.assign_add(m * momentum - gradient * learning_rate if self.config["nesterov"] else m)
+        return m * momentum - gradient * learning_rate if self.config["nesterov"] else m
 
-    def _adam(self, gradient, variable, slots, learning_rate, iterations):
+    def _adam(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adam (its slots assigned)."""
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        dtype = variable.dtype
         step = tf.cast(iterations + 1, dtype)
         beta_1_power, beta_2_power = tf.pow(tf.cast(beta_1, dtype), step), tf.pow(tf.cast(beta_2, dtype), step)
-        if self.fused:
-            lr = learning_rate * fused.second_moment_correction(beta_2, dtype)
-            tf.raw_ops.ResourceApplyAdam(
-                var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
-                beta1_power=beta_1_power, beta2_power=beta_2_power, lr=lr, beta1=self._scalar(beta_1, dtype),
-                beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
-            return
         alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
         v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
         slots["momentum"].assign(m)
         slots["velocity"].assign(v)
-        variable.assign_sub(m * alpha / (tf.sqrt(v) + self.config["epsilon"]))
+        return -m * alpha / (tf.sqrt(v) + self.config["epsilon"])
+
+    def _rmsprop(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's RMSprop (its slots assigned)."""
+        rho, epsilon = self.config["rho"], self.config["epsilon"]
+        velocity = rho * slots["velocity"] + (1 - rho) * tf.square(gradient)
+        slots["velocity"].assign(velocity)
+        denominator = velocity + epsilon
+        if "average_gradient" in slots:
+            average = rho * slots["average_gradient"] + (1 - rho) * gradient
+            slots["average_gradient"].assign(average)
+            denominator = velocity - tf.square(average) + epsilon
+        increment = learning_rate * gradient / tf.sqrt(denominator)
+        if "momentum" in slots:
+            increment = self.config["momentum"] * slots["momentum"] + increment
+            slots["momentum"].assign(increment)
+        return -increment
+
+    def _fused(self, gradient, variable, slots, learning_rate, iterations):
+        """SGD's or Adam's update of ``variable`` by TensorFlow's fused kernel."""
+        dtype = variable.dtype
+        if self.kind == "SGD":
+            if not slots:
+                variable.assign_sub(gradient * learning_rate)
+                return
+            tf.raw_ops.ResourceApplyKerasMomentum(
+                var=variable.handle, accum=slots["momentum"].handle, lr=learning_rate, grad=gradient,
+                momentum=self._scalar(self.config["momentum"], dtype), use_nesterov=self.config["nesterov"])
+            return
+        beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
+        step = tf.cast(iterations + 1, dtype)
+        tf.raw_ops.ResourceApplyAdam(
+            var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
+            beta1_power=tf.pow(tf.cast(beta_1, dtype), step), beta2_power=tf.pow(tf.cast(beta_2, dtype), step),
+            lr=learning_rate * fused.second_moment_correction(beta_2, dtype), beta1=self._scalar(beta_1, dtype),
+            beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
 
     def _scalar(self, value, dtype):
         """A hyperparameter as a replicated scalar of ``dtype`` on the mesh, as the kernels take it."""
