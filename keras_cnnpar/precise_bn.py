@@ -21,6 +21,8 @@ Example:
 array([4., 4., 4., 4.], dtype=float32)
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -29,12 +31,13 @@ from keras_cnnpar import graph
 
 
 class PreciseBatchNorm:
-    """Recomputes the moving statistics of a model's top-level BatchNormalization layers, except frozen ones
-    (``trainable = False``: Keras normalizes with their moving statistics and keeps them).
+    """Recomputes the moving statistics of a model's BatchNormalization layers, those of its nested blocks too,
+    except frozen ones (``trainable = False``: Keras normalizes with their moving statistics and keeps them).
 
     The statistics are computed on a local copy of the model (so that a model
     whose variables live elsewhere, on parameter servers, is only read and
-    written, not run), then assigned to the model's moving variables.
+    written, not run): each layer's input is read where the layer runs, then
+    the means are assigned to the model's moving variables.
 
     Args:
         model: a ``keras.Sequential`` or functional model; one without
@@ -43,20 +46,19 @@ class PreciseBatchNorm:
     """
 
     def __init__(self, model):
-        self.norms = [i for i, layer in enumerate(model.layers)
-                      if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
+        self.norms = [i for i, layer in enumerate(graph.weight_order(model)) if _recomputed(layer)]
         self.copy = self.statistics = None
         if not self.norms or not graph.is_graph(model):
             return
         self.copy = keras.models.clone_model(model)
-        norms = [self.copy.layers[i] for i in self.norms]
-        probe = keras.Model(self.copy.inputs, [norm.input for norm in norms])
+        norms = [layer for layer in graph.weight_order(self.copy) if _recomputed(layer)]
 
         @tf.function
         def statistics(x):
-            inputs = keras.tree.flatten(probe(x, training=True))
-            return [tf.nn.moments(tf.cast(value, tf.float32), axes=norm._reduction_axes)
-                    for value, norm in zip(inputs, norms)]
+            moments = {}
+            with _reading_inputs(norms, moments):
+                self.copy(x, training=True)
+            return [moments[index] for index in range(len(norms))]
 
         self.statistics = statistics
 
@@ -72,8 +74,33 @@ class PreciseBatchNorm:
             moments = [(mean.numpy(), variance.numpy()) for mean, variance in self.statistics(x)]
             sums = moments if sums is None else [(m + m2, v + v2) for (m, v), (m2, v2) in zip(sums, moments)]
             count += 1
+        layers = graph.weight_order(model)
         for index, (mean, variance) in zip(self.norms, sums or ()):
-            layer = model.layers[index]
+            layer = layers[index]
             layer.moving_mean.assign(np.reshape(mean / count, layer.moving_mean.shape))
             layer.moving_variance.assign(np.reshape(variance / count, layer.moving_variance.shape))
         return count
+
+
+def _recomputed(layer):
+    return isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+
+
+@contextlib.contextmanager
+def _reading_inputs(norms, moments):
+    """Have each of ``norms`` (BatchNormalization layers of a private copy) put the batch mean and variance of its
+    input into ``moments`` under its index when it runs."""
+    def reading(index, norm, call):
+        def call_and_read(inputs, *args, **kwargs):
+            moments[index] = tf.nn.moments(tf.cast(inputs, tf.float32), axes=norm._reduction_axes)
+            return call(inputs, *args, **kwargs)
+
+        return call_and_read
+
+    for index, norm in enumerate(norms):
+        norm.call = reading(index, norm, type(norm).call.__get__(norm))
+    try:
+        yield
+    finally:
+        for norm in norms:
+            del norm.call

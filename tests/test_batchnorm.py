@@ -2,10 +2,12 @@
 per-micro-batch) ones do not, and the parity check says why."""
 
 import keras
+import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.checks import NOISE_FACTOR, PARITY_TOLERANCE, GradientParityCheck
+from keras_cnnpar.precise_bn import PreciseBatchNorm
 from tests.helpers import (
     SYNCHRONIZED_STEP_TOLERANCE,
     build_residual_cnn,
@@ -91,3 +93,20 @@ def test_the_parity_check_passes_a_synchronized_split_within_the_model_s_float_n
 def test_sync_batchnorm_is_a_flag():
     with pytest.raises(TypeError, match=r"^sync_batchnorm must be True or False. Received: sync_batchnorm='yes'$"):
         cnnpar.DataParallel(2, sync_batchnorm="yes")
+
+
+def test_precise_statistics_reach_a_batchnormalization_inside_a_nested_block():
+    """AsyncPS's precise BN read only the model's top-level layers: a nested block's BatchNormalization kept the
+    moving statistics that stale weights from every worker had mixed."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(3, activation="relu", name="dense")
+    block = keras.Sequential([dense, keras.layers.BatchNormalization(name="inner")], name="block")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(epsilon=0.0, name="outer"), block])
+    batches = [np.random.default_rng(seed).normal(seed, 1.0, (8, 4)).astype("float32") for seed in (1, 2)]
+    assert PreciseBatchNorm(model).update(model, batches) == 2
+    normalized = [(batch - batch.mean(axis=0)) / batch.std(axis=0) for batch in batches]  # by the outer one
+    expected = np.mean([dense(batch).numpy().mean(axis=0) for batch in normalized], axis=0)
+    assert expected.max() > 0.1
+    np.testing.assert_allclose(block.get_layer("inner").moving_mean.numpy(), expected, rtol=1e-4)
+    np.testing.assert_allclose(model.get_layer("outer").moving_mean.numpy(),  # the top-level one, as before
+                               np.mean([batch.mean(axis=0) for batch in batches], axis=0), rtol=1e-5)
