@@ -176,8 +176,18 @@ def augmented(x):
     return L.Dense(10)(L.Flatten()(x))
 
 
+def upsampled(x):
+    """A U-Net's decoder step: UpSampling2D of sharded channels (column mode before it), concatenated with the
+    skip connection's whole ones, cropped, and a 2x3 upsampling of a split batch."""
+    skip = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    down = L.Conv2D(16, 3, strides=2, padding="same", activation="relu")(L.MaxPooling2D()(skip))
+    x = L.Concatenate()([L.UpSampling2D(4)(down), skip])
+    x = L.UpSampling2D((2, 3))(L.Conv2D(8, 3, strides=2)(L.Cropping2D(1)(x)))
+    return L.Dense(10)(L.GlobalAveragePooling2D()(x))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented]
+          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled]
 
 
 @functools.cache

@@ -1,10 +1,13 @@
 """A Keras CNN rebuilt on a DTensor mesh: sharded Conv2D/Dense, BatchNormalization, and the layers between them.
 
 The model is a ``keras.Sequential`` or a functional graph (one input, one
-output, each layer called once). Its layers run in a topological order of the
-graph, and each tensor keeps a layout: channels whole, channels sharded over
-``"model"``, or (a mesh without a ``"batch"`` axis) the batch split over
-``"model"`` with whole channels. On a mesh without a ``"batch"`` axis every
+output, each layer called once); a model nested in it is read as its layers.
+The weightless layers at its input that the mesh cannot run (augmentation)
+run on the host, on each batch before it goes to the mesh (:func:`host_prefix`).
+Its layers run in a topological order of the graph, and each tensor keeps a
+layout: channels whole, channels sharded over ``"model"``, or (a mesh without
+a ``"batch"`` axis) the batch split over ``"model"`` with whole channels. On a
+mesh without a ``"batch"`` axis every
 Conv2D runs in column mode: its kernel, sharded at rest, is gathered for the
 step and the convolution runs on the batch split over ``"model"``, which
 takes any input layout, and its output stays split over the batch, so the
@@ -16,8 +19,8 @@ mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
 model's output) runs in row mode, so its units need not split.
 BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
-pooling, padding, dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and
-activations keep the layout they get; an ``Add`` (or another elementwise merge) takes
+pooling, padding, cropping, upsampling, dropout, ``Flatten``, a ``Reshape`` of
+axes of size 1 and activations keep the layout they get; an ``Add`` (or another elementwise merge) takes
 the layout of its inputs, split over the batch if any is, else sharded if any
 is, and re-lays the others out to it (cutting a whole tensor needs no
 communication); ``Concatenate`` of tensors split over the batch stays split,
@@ -70,6 +73,7 @@ from keras_cnnpar.sharded.layers import (
     activation_layout,
     mixes_channels,
     module_name,
+    require_settings,
     same_padding,
     to_mesh,
     to_numpy,
@@ -82,8 +86,8 @@ ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling",
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "SeparableConv2D",
              "Normalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D",
-             "ZeroPadding2D", "Cropping2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add",
-             "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
+             "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D",
+             *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -145,6 +149,22 @@ class Padding(tf.Module):
 
     def __call__(self, x, training=False):
         return tf.pad(x, self.padding)
+
+
+class UpSampling(tf.Module):
+    """``UpSampling2D`` (nearest): each pixel repeated ``size`` times, as a reshape and a broadcast, which keep the
+    batch's and the channels' layout."""
+
+    def __init__(self, layer):
+        super().__init__(name=module_name(layer.name))
+        require_settings(layer, "channel sharding", data_format="channels_last", interpolation="nearest")
+        self.size = tuple(layer.size)
+
+    def __call__(self, x, training=False):
+        (batch, height, width, channels), (sh, sw) = x.shape, self.size
+        repeated = tf.broadcast_to(tf.reshape(x, [batch, height, 1, width, 1, channels]),
+                                   [batch, height, sh, width, sw, channels])
+        return tf.reshape(repeated, [batch, height * sh, width * sw, channels])
 
 
 class Cropping(tf.Module):
@@ -504,6 +524,8 @@ class ShardedModel(tf.Module):
             return Padding(layer)
         if kind == "Cropping2D":
             return Cropping(layer)
+        if kind == "UpSampling2D":
+            return UpSampling(layer)
         if kind == "Flatten":
             return Flatten(layer)
         if kind in ("Dropout", "SpatialDropout2D"):
