@@ -186,8 +186,20 @@ def upsampled(x):
     return L.Dense(10)(L.GlobalAveragePooling2D()(x))
 
 
+def transposed(x):
+    """Transposed convolutions: a strided "same" one after a strided convolution (on a split batch), one with an
+    output padding after a Dense on every pixel (sharded channels), BN after them, an Add with the skip."""
+    skip = L.Conv2D(8, 3, padding="same", activation="relu")(x)
+    x = L.Conv2DTranspose(8, 3, strides=2, padding="same")(L.Conv2D(16, 3, strides=2, padding="same")(skip))
+    x = L.ReLU()(L.BatchNormalization()(x))
+    x = L.Dense(8)(L.Add()([x, skip]))
+    x = L.Conv2DTranspose(4, 2, strides=2, output_padding=1, use_bias=False)(L.MaxPooling2D()(x))
+    return L.Dense(10)(L.Flatten()(L.BatchNormalization()(x)))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
-          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled]
+          squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled,
+          transposed]
 
 
 @functools.cache

@@ -251,8 +251,9 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
         "channel sharding cannot convert layer 'norm' of type GroupNormalization; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, LayerNormalization, DepthwiseConv2D, SeparableConv2D, Normalization, "
-        "MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, "
+        "Dense, BatchNormalization, LayerNormalization, DepthwiseConv2D, SeparableConv2D, Conv2DTranspose, "
+        "Normalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, "
+        "Cropping2D, "
         "UpSampling2D, Flatten, Reshape, Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, "
         "Rescaling, Identity, "
         "Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate, and at the model's input, before them, any "

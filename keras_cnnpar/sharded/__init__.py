@@ -12,11 +12,12 @@ confused with the ``"layers"`` strategy (layer placement); the old name
 from keras_cnnpar.sharded.layers import (
     ChannelShardedConv2D,
     ShardedBatchNormalization,
+    ShardedConv2DTranspose,
     ShardedDense,
     ShardedDepthwiseConv2D,
     ShardedNormalization,
 )
 from keras_cnnpar.sharded.model import SUPPORTED, ShardedModel, ShardedSequential
 
-__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedBatchNormalization", "ShardedDense", "ShardedDepthwiseConv2D",
-           "ShardedModel", "ShardedNormalization", "ShardedSequential"]
+__all__ = ["SUPPORTED", "ChannelShardedConv2D", "ShardedBatchNormalization", "ShardedConv2DTranspose", "ShardedDense",
+           "ShardedDepthwiseConv2D", "ShardedModel", "ShardedNormalization", "ShardedSequential"]

@@ -620,6 +620,54 @@ class ShardedDepthwiseConv2D(LayoutKeeping):
         return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.sharded and not mixes_channels(self)))
 
 
+class ShardedConv2DTranspose(LayoutKeeping):
+    """A ``keras.layers.Conv2DTranspose`` (channels-last, no dilation) on channels whole, sharded, or split over
+    the batch: Keras's own transposed convolution with the kernel whole, on the batch as the input splits it.
+
+    DTensor runs ``Conv2DBackpropInput`` (the op of a transposed convolution)
+    and the two ops of its gradient on a batch-parallel layout with a whole
+    filter, so sharded channels are gathered first and cut again after, as
+    :class:`ShardedDepthwiseConv2D` does, and a batch split over ``"model"``
+    (``batch_split``) stays split; its kernel and bias stay whole on every
+    device.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> transposed = keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same")
+    >>> x = np.random.default_rng(0).random((2, 5, 5, 6), dtype="float32")
+    >>> reference = transposed(x).numpy()
+    >>> sharded = ShardedConv2DTranspose(transposed, mesh, channels_sharded=True)
+    >>> bool(np.allclose(sharded.forward(x), reference, atol=1e-5))
+    True
+    """
+
+    def __init__(self, layer, mesh, channels_sharded=False, batch_split=False):
+        super().__init__(layer)
+        require_settings(layer, "ShardedConv2DTranspose", data_format="channels_last", dilation_rate=(1, 1))
+        self.mesh, self.sharded, self.batch_split = mesh, channels_sharded, batch_split
+        self.strides, self.padding, self.output_padding = layer.strides, layer.padding, layer.output_padding
+        self.activation = layer.activation
+        self._mirror_weights(layer, channels_sharded=False)  # the kernel and the bias whole, as the op takes them
+        #: The dtype of the layer's arithmetic, as a sharded layer's (``ShardedModel`` sets it for mixed precision).
+        self.compute_dtype = tf.as_dtype(layer.compute_dtype)
+
+    def __call__(self, x, training=False):
+        kernel, *bias = (tf.cast(v, self.compute_dtype) for v in self.variables_in_order)
+        x = dtensor.relayout(tf.cast(x, self.compute_dtype), activation_layout(self.mesh, x.shape,
+                                                                              batch_split=self.batch_split))
+        y = keras.ops.conv_transpose(x, kernel, self.strides, self.padding, self.output_padding)
+        # Pinned at once, as the input: DTensor would carry a sharded layout back to the op, which refuses it.
+        y = dtensor.relayout(y, activation_layout(self.mesh, y.shape, batch_split=self.batch_split))
+        if bias:
+            y = y + bias[0]
+        y = self.activation(y)
+        return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.sharded and not mixes_channels(self)))
+
+
 class ShardedNormalization(LayoutKeeping):
     """A ``keras.layers.Normalization`` over the channels (last axis): its mean and variance (adapted, or given)
     laid out like the channels, whole or sharded; nothing trains them, and its weights are handed back as

@@ -19,7 +19,7 @@ mode, else in column mode, so a chain alternates column and row as Megatron
 pairs its layers; a Dense whose output is gathered anyway (a softmax, the
 model's output) runs in row mode, so its units need not split.
 BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
-pooling, padding, cropping, upsampling, dropout, ``Flatten``, a ``Reshape`` of
+Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``, a ``Reshape`` of
 axes of size 1 and activations keep the layout they get; an ``Add`` (or another elementwise merge) takes
 the layout of its inputs, split over the batch if any is, else sharded if any
 is, and re-lays the others out to it (cutting a whole tensor needs no
@@ -63,6 +63,7 @@ from keras_cnnpar import graph
 from keras_cnnpar.sharded.layers import (
     ChannelShardedConv2D,
     ShardedBatchNormalization,
+    ShardedConv2DTranspose,
     ShardedDense,
     ShardedDepthwiseConv2D,
     ShardedLayer,
@@ -85,9 +86,10 @@ ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling",
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "SeparableConv2D",
-             "Normalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D",
-             "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D",
-             *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
+             "Conv2DTranspose", "Normalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
+             "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten", "Reshape", "Dropout",
+             "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
+             "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -341,7 +343,8 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in (*CONVOLUTIONS, "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind in ("BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "Normalization"):  # the input's
+    if kind in ("BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "Conv2DTranspose",
+                "Normalization"):  # the input's
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
@@ -500,6 +503,8 @@ class ShardedModel(tf.Module):
             op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
         elif kind == "DepthwiseConv2D":
             op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
+        elif kind == "Conv2DTranspose":
+            op = ShardedConv2DTranspose(layer, self.mesh, first.sharded, first.batch_split)
         elif kind == "Normalization":
             op = ShardedNormalization(layer, self.mesh, first.sharded)
         elif kind == "LayerNormalization":
