@@ -2,36 +2,35 @@
 
 The model is a ``keras.Sequential`` or a functional graph (one input, one
 output, each layer called once); a model nested in it is read as its layers.
-The weightless layers at its input that the mesh cannot run (augmentation)
-run on the host, on each batch before it goes to the mesh (:func:`host_prefix`).
+The weightless layers at its input that the mesh cannot run (augmentation) run
+on the host, on each batch before it goes to the mesh (:func:`host_prefix`).
 Its layers run in a topological order of the graph, and each tensor keeps a
-layout: channels whole, channels sharded over ``"model"``, or (a mesh without
-a ``"batch"`` axis) the batch split over ``"model"`` with whole channels. On a
-mesh without a ``"batch"`` axis every
-Conv2D runs in column mode: its kernel, sharded at rest, is gathered for the
-step and the convolution runs on the batch split over ``"model"``, which
-takes any input layout, and its output stays split over the batch, so the
-tensors from one convolution to the next (BatchNormalization with statistics
-all-reduced over the batch, pooling, activations, merges) need no
-communication. On a mesh with a ``"batch"`` axis, and for Dense
-layers, a layer whose input is sharded (or split over the batch) runs in row
-mode, else in column mode, so a chain alternates column and row as Megatron
-pairs its layers; a Dense whose output is gathered anyway (a softmax, the
-model's output) runs in row mode, so its units need not split.
+layout: channels whole, channels sharded over ``"model"``, or (a mesh without a
+``"batch"`` axis) the batch split over ``"model"`` with whole channels. On a
+mesh without a ``"batch"`` axis every Conv2D runs in column mode: its kernel,
+sharded at rest, is gathered for the step and the convolution runs on the batch
+split over ``"model"``, which takes any input layout, and its output stays
+split over the batch, so the tensors from one convolution to the next
+(BatchNormalization with statistics all-reduced over the batch, pooling,
+activations, merges) need no communication. On a mesh with a ``"batch"`` axis,
+and for Dense layers, a layer whose input is sharded (or split over the batch)
+runs in row mode, else in column mode, so a chain alternates column and row as
+Megatron pairs its layers; a Dense whose output is gathered anyway (a softmax,
+the model's output) runs in row mode, so its units need not split.
 BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
-Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``, a ``Reshape`` of
-axes of size 1 and activations keep the layout they get; an ``Add`` (or another elementwise merge) takes
-the layout of its inputs, split over the batch if any is, else sharded if any
-is, and re-lays the others out to it (cutting a whole tensor needs no
-communication); ``Concatenate`` of tensors split over the batch stays split,
-else it gathers its inputs' channels. A ``Flatten`` of sharded channels (on a
-mesh with ``"batch"``) is folded into the ``Dense`` after it, which then holds
-its kernel as ``(h, w, c, units)`` sharded on ``c``. Where the shards do not
-divide a batch, a tensor split over the batch is whole on every device. The
-output of the model always has whole channels. Every layer's output is
-pinned to its layout (``dtensor.relayout``): left to DTensor's layout
-propagation, a sharded layout reached the moments of a BatchNormalization on
-whole channels, and the step failed.
+Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
+a ``Reshape`` of axes of size 1 and activations keep the layout they get; an
+``Add`` (or another elementwise merge) takes the layout of its inputs, split
+over the batch if any is, else sharded if any is, and re-lays the others out to
+it (cutting a whole tensor needs no communication); ``Concatenate`` of tensors
+split over the batch stays split, else it gathers its inputs' channels. A
+``Flatten`` of sharded channels (on a mesh with ``"batch"``) is folded into the
+``Dense`` after it, which then holds its kernel as ``(h, w, c, units)`` sharded
+on ``c``. Where the shards do not divide a batch, a tensor split over the batch
+is whole on every device. The output of the model always has whole channels.
+Every layer's output is pinned to its layout (``dtensor.relayout``): left to
+DTensor's layout propagation, a sharded layout reached the moments of a
+BatchNormalization on whole channels, and the step failed.
 
 Example:
 
