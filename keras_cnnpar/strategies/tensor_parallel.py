@@ -440,16 +440,17 @@ class _MeshOptimizer:
         if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
             learning_rate = self.schedule(iterations)
         rule = {"SGD": self._sgd, "RMSprop": self._rmsprop}.get(self.kind, self._adam)
+        fusable = self.fused and self.kind not in self.BY_KIND
         for gradient, variable, slots, decayed in zip(gradients, variables, self.slots, self.decayed):
-            learning_rate_here = tf.cast(learning_rate, variable.dtype)
-            if decayed or self.kind in self.BY_KIND or not self.fused:
-                step = rule(gradient, slots, learning_rate_here, iterations, variable.dtype)
-                value = variable.read_value()
-                if decayed:
-                    value = value - value * tf.cast(self.config["weight_decay"], variable.dtype) * learning_rate_here
-                variable.assign(value + step)
-            else:
-                self._fused(gradient, variable, slots, learning_rate_here, iterations)
+            rate = tf.cast(learning_rate, variable.dtype)
+            if fusable and not decayed:
+                self._fused(gradient, variable, slots, rate, iterations)
+                continue
+            step = rule(gradient, slots, rate, iterations, variable.dtype)
+            value = variable.read_value()
+            if decayed:
+                value = value - value * tf.cast(self.config["weight_decay"], variable.dtype) * rate
+            variable.assign(value + step)
         self.iterations.assign(iterations + 1)
 
     def _sgd(self, gradient, slots, learning_rate, iterations, dtype):
@@ -464,8 +465,7 @@ class _MeshOptimizer:
     def _adam(self, gradient, slots, learning_rate, iterations, dtype):
         """The change of the variable by Keras's Adam (its slots assigned)."""
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        step = tf.cast(iterations + 1, dtype)
-        beta_1_power, beta_2_power = tf.pow(tf.cast(beta_1, dtype), step), tf.pow(tf.cast(beta_2, dtype), step)
+        beta_1_power, beta_2_power = self._beta_powers(iterations, dtype)
         alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
         m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
         v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
@@ -501,12 +501,17 @@ class _MeshOptimizer:
                 momentum=self._scalar(self.config["momentum"], dtype), use_nesterov=self.config["nesterov"])
             return
         beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        step = tf.cast(iterations + 1, dtype)
+        beta_1_power, beta_2_power = self._beta_powers(iterations, dtype)
         tf.raw_ops.ResourceApplyAdam(
             var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
-            beta1_power=tf.pow(tf.cast(beta_1, dtype), step), beta2_power=tf.pow(tf.cast(beta_2, dtype), step),
+            beta1_power=beta_1_power, beta2_power=beta_2_power,
             lr=learning_rate * fused.second_moment_correction(beta_2, dtype), beta1=self._scalar(beta_1, dtype),
             beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
+
+    def _beta_powers(self, iterations, dtype):
+        """Adam's ``beta_1`` and ``beta_2`` to the power of the step being taken (``iterations + 1``)."""
+        step = tf.cast(iterations + 1, dtype)
+        return (tf.pow(tf.cast(self.config[beta], dtype), step) for beta in ("beta_1", "beta_2"))
 
     def _scalar(self, value, dtype):
         """A hyperparameter as a replicated scalar of ``dtype`` on the mesh, as the kernels take it."""
