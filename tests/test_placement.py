@@ -127,6 +127,26 @@ def test_epoch_csv_records_bubble_and_measured_stage_times(small_cnn, few_digits
     assert "layout balance: the largest stage has" in log
 
 
+def test_timing_the_stages_leaves_the_moving_statistics_as_they_were(few_digits):
+    """Before training, the stages of a Sequential model are timed in training mode, six passes over one batch:
+    their BatchNormalization updates stayed in the moving statistics (0.056 off Keras's after 4 steps)."""
+    def normalized_cnn():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, use_bias=False), keras.layers.BatchNormalization(),
+            keras.layers.ReLU(), keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+        model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+        return model
+
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    settings = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0}
+    expected, placed = normalized_cnn(), normalized_cnn()
+    expected.fit(x, y, **settings)
+    cnnpar.fit(placed, x, y, strategy=cnnpar.LayerPlacement(2), results_dir=None, **settings)
+    assert [weight.name for weight in placed.non_trainable_weights] == ["moving_mean", "moving_variance"]
+    assert max_weight_difference(placed, expected) < 1e-5  # get_weights() holds them
+
+
 def test_stages_follow_the_layers_when_the_first_layers_go_to_the_second_device(small_cnn, few_digits):
     strategy = cnnpar.LayerPlacement(2, placement={0: 1, 3: 0}, microbatches=2)
     model = small_cnn()

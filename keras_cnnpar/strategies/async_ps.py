@@ -220,6 +220,7 @@ class AsyncPS(CheckpointedStrategy):
         prepared, connection = self.prepared_copy(model, settings), _JOINED.get("cluster")
         if connection is None:
             return async_remote.CoordinatorProcessRun(self, settings, prepared)
+        read_kernels_before_xla(prepared)
         self.build_optimizer(prepared)
         checkpoint = None
         if self.checkpoint_dir is not None:
@@ -474,6 +475,36 @@ def staleness_power(optimizer):
     adaptive = tuple(getattr(keras.optimizers, name) for name in ADAPTIVE_OPTIMIZERS
                      if hasattr(keras.optimizers, name))
     return 1 if isinstance(inner, adaptive) else 2
+
+
+def read_kernels_before_xla(model):
+    """Make each convolution of ``model`` that Keras computes in an XLA function read its kernel before it.
+
+    On the TensorFlow backend Keras runs a grouped convolution (``groups > 1``)
+    and a ``channels_first`` 3-D one as a ``tf.function(jit_compile=True)``,
+    and XLA cannot read a variable held on another device: with the kernel on
+    a parameter server, every step failed ("Trying to access resource ...
+    located in device /job:ps/replica:0/task:0/device:CPU:0 from device
+    /job:worker/..."). Read on the worker first, the kernel reaches the
+    function as a tensor; the arithmetic is the same.
+
+    >>> model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(4, 3, groups=2),
+    ...                           keras.layers.Conv2D(2, 1)])
+    >>> read_kernels_before_xla(model)
+    >>> ["convolution_op" in vars(layer) for layer in model.layers]
+    [True, False]
+    """
+    for layer in model._flatten_layers():
+        if hasattr(layer, "convolution_op") and (getattr(layer, "groups", 1) > 1 or (  # Keras's BaseConv
+                getattr(layer, "rank", 2) == 3 and getattr(layer, "data_format", None) == "channels_first")):
+            layer.convolution_op = _reading_the_kernel_first(layer.convolution_op)
+
+
+def _reading_the_kernel_first(convolution_op):
+    def convolution_op_of_a_read_kernel(inputs, kernel):
+        return convolution_op(inputs, tf.identity(keras.ops.convert_to_tensor(kernel)))  # a variable stays one
+
+    return convolution_op_of_a_read_kernel
 
 
 def _divisor_text(optimizer):
