@@ -127,6 +127,29 @@ def test_epoch_csv_records_bubble_and_measured_stage_times(small_cnn, few_digits
     assert "layout balance: the largest stage has" in log
 
 
+def test_activity_regularization_of_micro_batches_sums_to_the_whole_batch_s(few_digits):
+    """Keras divides a layer's activity regularization by the examples it saw: each of 2 micro-batches added the
+    whole batch's share again (one step 3.3e-4 from Single's; 0.0054 after 8 steps, a loss 0.009 higher)."""
+    def regularized_cnn():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(10, activation="softmax")])
+        model.compile(keras.optimizers.SGD(0.05), "sparse_categorical_crossentropy")
+        return model
+
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    single, placed = regularized_cnn(), regularized_cnn()
+    losses = [cnnpar.fit(model, x, y, batch_size=64, shuffle=False, verbose=0, strategy=strategy,
+                         results_dir=None).history["loss"]
+              for model, strategy in [(single, "single"), (placed, cnnpar.LayerPlacement(2, microbatches=2))]]
+    assert max_weight_difference(single, regularized_cnn()) > 1e-3
+    assert max_weight_difference(single, placed) < 1e-5
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
 def test_timing_the_stages_leaves_the_moving_statistics_as_they_were(few_digits):
     """Before training, the stages of a Sequential model are timed in training mode, six passes over one batch:
     their BatchNormalization updates stayed in the moving statistics (0.056 off Keras's after 4 steps)."""

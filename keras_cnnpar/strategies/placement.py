@@ -259,8 +259,32 @@ class _MicroBatched(Wrapper):
         self.microbatches = microbatches
 
     def call(self, inputs, training=False):
-        outputs = [self.inner(part, training=training) for part in split_batch(inputs, self.microbatches)]
+        whole = _examples(inputs)
+        outputs = [_losses_weighed(self.inner, lambda part=part: self.inner(part, training=training),
+                                   _examples(part) / whole)
+                   for part in split_batch(inputs, self.microbatches)]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
+
+
+def _examples(batch):
+    """The number of examples in ``batch`` (a tensor, or a structure of them), as a float32 tensor."""
+    return tf.cast(tf.shape(tf.nest.flatten(batch)[0])[0], "float32")
+
+
+def _losses_weighed(model, call, share):
+    """``call()``, with each loss that ``model``'s layers add while it runs multiplied by ``share``.
+
+    Keras divides a layer's activity regularization by the examples of the
+    batch it saw, so the losses of ``m`` micro-batches summed to ``m`` times the
+    whole batch's (the weights 0.0054 off Keras's after 8 steps of 2
+    micro-batches); weighed by their share of the batch they sum to it.
+    """
+    layers = list(model._flatten_layers())
+    counts = [len(layer._losses) for layer in layers]
+    result = call()
+    for layer, count in zip(layers, counts):
+        layer._losses[count:] = [loss * tf.cast(share, loss.dtype) for loss in layer._losses[count:]]
+    return result
 
 
 class StageTimes(keras.callbacks.Callback):
