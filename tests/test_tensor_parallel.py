@@ -337,6 +337,30 @@ def test_a_functional_chain_is_sharded_like_its_sequential_twin(strategy, few_di
     assert max_weight_difference(single, sharded) < 1e-4
 
 
+def flat_pixels_cnn():
+    """A Kaggle CSV's rows as they come, 784 pixels, reshaped to images inside the model."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((784,)), keras.layers.Rescaling(1 / 255), keras.layers.Reshape((28, 28, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(), keras.layers.Flatten(),
+        keras.layers.Dense(10, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
+def test_a_model_that_reshapes_flat_pixels_to_images_reshapes_them_on_the_host(strategy, few_digits):
+    """A Reshape of the pixels to images is no reshape of channels the mesh can shard: it was refused ("only adds
+    or removes axes of size 1"). At the input, with the Rescaling before it, it runs on the host."""
+    x, y = few_digits[0][:128].reshape(128, 784), few_digits[1][:128]
+    settings = {"batch_size": 64, "epochs": 2, "shuffle": False, "verbose": 0, "validation_data": (x[:64], y[:64])}
+    expected, sharded = flat_pixels_cnn(), flat_pixels_cnn()
+    history = expected.fit(x, y, **settings).history
+    got = cnnpar.fit(sharded, x, y, strategy=strategy, results_dir=None, **settings).history
+    assert {key: got[key] for key in history} == {key: pytest.approx(value, abs=1e-5) for key, value in history.items()}
+    assert max_weight_difference(sharded, expected) < 1e-5
+
+
 def dotted_cnn():
     """Names that are no Python identifiers, as Keras allows: ``keras.applications.MobileNetV2`` names itself
     ``mobilenetv2_1.00_224`` (sharding it failed on that name before naming its DepthwiseConv2D)."""

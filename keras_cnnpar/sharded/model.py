@@ -196,15 +196,22 @@ class Reshape(tf.Module):
 
     def __init__(self, layer):
         super().__init__(name=module_name(layer.name))
-        source, target = tuple(layer.input.shape[1:]), tuple(layer.target_shape)
-        if [n for n in source if n != 1] != [n for n in target if n != 1] or source[-1:] != target[-1:]:
+        if not self.keeps_the_layout(layer):
+            source, target = tuple(layer.input.shape[1:]), tuple(layer.target_shape)
             raise ValueError(f"channel sharding converts a Reshape that only adds or removes axes of size 1 before "
-                             f"the channels (a squeeze-and-excitation block's); layer {layer.name!r} reshapes "
+                             f"the channels (a squeeze-and-excitation block's), or one in the chain of weightless "
+                             f"layers at the model's input (which runs on the host); layer {layer.name!r} reshapes "
                              f"{source} to {target}. Received: target_shape={target}")
-        self.target = target
+        self.target = tuple(layer.target_shape)
 
     def __call__(self, x, training=False):
         return tf.reshape(x, [-1, *self.target])
+
+    @staticmethod
+    def keeps_the_layout(layer):
+        """Whether the Keras ``Reshape`` ``layer`` only adds or removes axes of size 1 before the channels."""
+        source, target = tuple(layer.input.shape[1:]), tuple(layer.target_shape)
+        return [n for n in source if n != 1] == [n for n in target if n != 1] and source[-1:] == target[-1:]
 
 
 class Dropout(tf.Module):
@@ -405,10 +412,21 @@ def host_prefix(calls, input_key):
     for index, call in enumerate(calls, 1):
         if call.inputs != (key,) or readers[key] > 1 or call.layer.weights:
             break
-        if type(call.layer).__name__ not in SUPPORTED:
+        if not runs_on_the_mesh(call.layer):
             count = index
         key = call.output
     return count
+
+
+def runs_on_the_mesh(layer):
+    """Whether channel sharding converts ``layer``: a kind it supports, and a ``Reshape`` that keeps the layout.
+
+    >>> model = keras.Sequential([keras.Input((784,)), keras.layers.Reshape((28, 28, 1)), keras.layers.Flatten()])
+    >>> [runs_on_the_mesh(layer) for layer in model.layers]  # the Reshape runs on the host
+    [False, True]
+    """
+    kind = type(layer).__name__
+    return kind in SUPPORTED and (kind != "Reshape" or Reshape.keeps_the_layout(layer))
 
 
 def layer_graph(model):
