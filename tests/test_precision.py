@@ -70,19 +70,24 @@ def test_tensor_parallel_refuses_float16_saying_what_works(batch):
         "precision='mixed_float16'")
 
 
-def test_tensor_parallel_refuses_a_model_built_under_the_float16_policy_by_its_layers(batch):
+@pytest.mark.parametrize("nested", [False, True], ids=["model", "nested block"])
+def test_tensor_parallel_refuses_a_model_built_under_the_float16_policy_by_its_layers(batch, nested):
     """Refused as an optimizer it did not know: "implements the optimizers ['Adam', 'SGD']. Received:
-    optimizer=LossScaleOptimizer"."""
+    optimizer=LossScaleOptimizer". A float16 block nested in a float32 model names its layers (it named the block)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = build_small_cnn()
     finally:
         keras.mixed_precision.set_global_policy("float32")
+    float16 = [layer.name for layer in model.layers[:3]]
+    if nested:
+        model = cnnpar.parallel(keras.Sequential([keras.Input((28, 28, 1)), model]))
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     with pytest.raises(ValueError) as raised:
         model.fit(*batch, strategy="channels", results_dir=None, verbose=0)
     assert str(raised.value).endswith(
         "Use precision='mixed_bfloat16' (or build the model under that policy). Received: a model whose layers "
-        f"compute in float16 (Keras's mixed_float16 policy): {[layer.name for layer in model.layers[:3]]}")
+        f"compute in float16 (Keras's mixed_float16 policy): {float16}")
 
 
 def test_an_unknown_precision_lists_the_valid_ones(batch):

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras.src.trainers.compile_utils import get_loss
 from tensorflow.experimental import dtensor
 
-from keras_cnnpar import arguments, fused, rebuild, sharded, user_callbacks
+from keras_cnnpar import arguments, fused, graph, rebuild, sharded, user_callbacks
 from keras_cnnpar import devices as device_lib
 from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
 from keras_cnnpar.strategies import base, loop
@@ -87,7 +87,8 @@ class ChannelSharded(Strategy):
 
     def prepare(self, model, settings=None):
         settings = settings or base.RunSettings()
-        float16 = [layer.name for layer in model.layers
+        layers = [call.layer for call in graph.read(model).calls] if graph.is_graph(model) else model.layers
+        float16 = [layer.name for layer in layers  # nested blocks' layers too
                    if layer.compute_dtype == "float16" and not isinstance(layer, keras.layers.InputLayer)]
         if settings.precision == "mixed_float16" or float16:
             received = ("precision='mixed_float16'" if settings.precision == "mixed_float16" else
