@@ -261,14 +261,16 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         "(GroupNormalization)")
 
 
-def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused():
-    model = keras.Sequential([keras.Input((4, 4, 2)), keras.layers.Reshape((8, 4), name="fold"),
-                              keras.layers.Flatten(), keras.layers.Dense(10)])
+def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused_after_the_input():
+    layers = keras.layers
+    model = keras.Sequential([keras.Input((4, 4, 2)), layers.Conv2D(2, 1), layers.Reshape((8, 4), name="fold"),
+                              layers.Flatten(), layers.Dense(10)])
     with pytest.raises(ValueError) as raised:
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
         "channel sharding converts a Reshape that only adds or removes axes of size 1 before the channels (a "
-        "squeeze-and-excitation block's); layer 'fold' reshapes (4, 4, 2) to (8, 4). Received: target_shape=(8, 4)")
+        "squeeze-and-excitation block's), or one in the chain of weightless layers at the model's input (which "
+        "runs on the host); layer 'fold' reshapes (4, 4, 2) to (8, 4). Received: target_shape=(8, 4)")
 
 
 @pytest.mark.parametrize("dropout, kept_whole", [

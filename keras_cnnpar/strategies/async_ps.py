@@ -502,7 +502,8 @@ def read_kernels_before_xla(model):
 
 def _reading_the_kernel_first(convolution_op):
     def convolution_op_of_a_read_kernel(inputs, kernel):
-        return convolution_op(inputs, tf.identity(keras.ops.convert_to_tensor(kernel)))  # a variable stays one
+        # keras.ops.convert_to_tensor casts under mixed precision but passes a tf.Variable through: read it here.
+        return convolution_op(inputs, tf.identity(keras.ops.convert_to_tensor(kernel)))
 
     return convolution_op_of_a_read_kernel
 

@@ -277,7 +277,9 @@ def _losses_weighed(model, call, share):
     Keras divides a layer's activity regularization by the examples of the
     batch it saw, so the losses of ``m`` micro-batches summed to ``m`` times the
     whole batch's (the weights 0.0054 off Keras's after 8 steps of 2
-    micro-batches); weighed by their share of the batch they sum to it.
+    micro-batches); weighed by their share of the batch they sum to it. A
+    layer keeps the losses it adds in ``_losses`` (cleared when the next
+    outermost call begins), where Keras's ``compute_loss`` sums them.
     """
     layers = list(model._flatten_layers())
     counts = [len(layer._losses) for layer in layers]
