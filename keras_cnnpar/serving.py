@@ -16,9 +16,9 @@ Example:
 >>> history = model.fit(digits.x[:256], digits.y[:256], batch_size=64, strategy="single",
 ...                     results_dir=None, verbose=0)
 >>> base = tempfile.mkdtemp()
->>> export(model, base).name                      # the first free version
+>>> export(model, base).name                      # the first free version, checked in a fresh process
 '1'
->>> export(model, base).name
+>>> export(model, base, verify=False).name        # the next one, unchecked
 '2'
 """
 
