@@ -345,8 +345,7 @@ def test_validation_freq_and_batch_size_validate_as_keras_validates(alias, few_d
 
 
 @pytest.mark.parametrize("alias", ["single", "mirrored", "layers", "async-ps"])  # the mesh refuses unknown layers
-def test_a_model_with_a_lambda_a_grouped_convolution_and_a_layer_and_loss_of_its_own_trains_as_in_keras(alias,
-                                                                                                     few_digits):
+def test_a_users_model_with_a_lambda_grouped_convolution_own_layer_and_loss_trains_as_in_keras(alias, few_digits):
     """Every strategy clones the model, and Keras's safe mode refused the Lambda's Python function; the AsyncPS
     coordinator process loaded a model naming a layer class and a loss that it had never seen ("Could not
     locate class 'Scale'"). Defined here, inside the test, as in a user's script: they reach it by value. Keras
