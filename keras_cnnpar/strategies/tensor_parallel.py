@@ -87,8 +87,7 @@ class ChannelSharded(Strategy):
 
     def prepare(self, model, settings=None):
         settings = settings or base.RunSettings()
-        layers = [call.layer for call in graph.read(model).calls] if graph.is_graph(model) else model.layers
-        float16 = [layer.name for layer in layers  # nested blocks' layers too
+        float16 = [layer.name for layer in graph.weight_order(model)  # nested blocks' layers too
                    if layer.compute_dtype == "float16" and not isinstance(layer, keras.layers.InputLayer)]
         if settings.precision == "mixed_float16" or float16:
             received = ("precision='mixed_float16'" if settings.precision == "mixed_float16" else
