@@ -169,7 +169,7 @@ def _sgd_copy(model, dtype=None):
             return keras.layers.Identity(name=layer.name, dtype=config["dtype"])
 
     copy = rebuild.clone_with(model, deterministic)
-    copy.set_weights([np.asarray(w, dtype or w.dtype) for w in model.get_weights()])
+    rebuild.set_weights(copy, [np.asarray(w, dtype or w.dtype) for w in model.get_weights()])
     copy.compile(optimizer=keras.optimizers.SGD(1.0), loss=model.loss)
     return copy
 

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import graph
+from keras_cnnpar import graph, rebuild
 
 
 class PreciseBatchNorm:
@@ -67,7 +67,7 @@ class PreciseBatchNorm:
         ``(images, labels)`` pairs); return how many batches were used."""
         if self.statistics is None:
             return 0
-        self.copy.set_weights(model.get_weights())
+        rebuild.set_weights(self.copy, model.get_weights())
         sums, count = None, 0
         for batch in batches:
             x = batch[0] if isinstance(batch, tuple | list) else batch

@@ -168,10 +168,28 @@ def set_precision(model, precision):
             part.dtype_policy = "float32"
 
 
+def set_weights(model, weights):
+    """``model.set_weights(weights)``, then what adapted preprocessing layers derive from their weights (a
+    ``Normalization``'s mean and variance, which it computes once from them), as Keras's loading does.
+
+    >>> import numpy as np
+    >>> norm = keras.layers.Normalization()
+    >>> norm.adapt(np.array([[1.0], [3.0]]))
+    >>> copy = keras.Sequential([keras.Input((1,)), keras.layers.Normalization()])
+    >>> set_weights(copy, [np.array([2.0]), np.array([1.0]), np.array(2)])
+    >>> copy.predict(np.array([[3.0]]), verbose=0).tolist()
+    [[1.0]]
+    """
+    model.set_weights(weights)
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if hasattr(layer, "finalize_state"):
+            layer.finalize_state()
+
+
 def copy_state(source, target):
     """Copy weights, the random layers' states, and optimizer state once ``source``'s optimizer is built,
     into ``target``."""
-    target.set_weights(source.get_weights())
+    set_weights(target, source.get_weights())
     set_random_states(target, [state.numpy() for state in random_states(source)])
     if not source.optimizer.built:
         return

@@ -295,7 +295,7 @@ class AsyncRun(base.Run):
             return logs
 
         def validate(_):  # the callbacks run in the user's process: no batch hooks from here
-            evaluator.set_weights(prepared.get_weights())
+            rebuild.set_weights(evaluator, prepared.get_weights())
             return evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
 
         return loop.run_epochs(

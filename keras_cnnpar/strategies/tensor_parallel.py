@@ -165,7 +165,7 @@ class MeshRun(base.Run):
 
     def _sync(self):
         """Copy the sharded weights and optimizer state into ``model`` (the local Keras copy)."""
-        self.model.set_weights(self.sharded.get_weights())
+        rebuild.set_weights(self.model, self.sharded.get_weights())
         if not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)
         for variable, value in zip(rebuild.optimizer_state(self.model.optimizer), self.optimizer.get_state()):
