@@ -58,7 +58,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
     run = strategy.prepare(model, settings)
     with (contextlib.closing(run),  # its processes and temporary files end with this call, failed or not
           chief_writes(callbacks, strategy.is_chief) as callbacks):
-        _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"))
+        _fit_whole_chunks(run.model, fit_kwargs.get("steps_per_epoch"), fit_kwargs.get("validation_steps"))
         initial_epoch = run.resume_epoch(initial_epoch)
         if settings.resume and run.checkpoint and initial_epoch >= epochs:
             raise ValueError(f"{run.checkpoint.directory} already holds all {epochs} requested epochs "
@@ -102,12 +102,13 @@ def _python_batches(data):
     return isinstance(data, (keras.utils.PyDataset, collections.abc.Iterator))
 
 
-def _fit_whole_chunks(prepared, steps_per_epoch):
-    """Make Keras's ``steps_per_execution`` divide a user's ``steps_per_epoch``: Keras runs whole chunks of
-    steps on an infinite dataset, so 8 per call would make an epoch of 3 steps take 8."""
+def _fit_whole_chunks(prepared, *steps):
+    """Make Keras's ``steps_per_execution`` divide a user's ``steps_per_epoch`` and ``validation_steps``: Keras
+    runs whole chunks of steps, in training and in validation alike, so 8 per call would make an epoch of 3 steps
+    take 8, and a validation of 1 step read a finite dataset's every batch."""
     chunk = getattr(prepared, "steps_per_execution", 1) or 1
-    if steps_per_epoch and chunk > 1 and steps_per_epoch % chunk:
-        prepared.steps_per_execution = math.gcd(steps_per_epoch, chunk)
+    if chunk > 1:
+        prepared.steps_per_execution = math.gcd(chunk, *(count for count in steps if count))
 
 
 def _data_identity(labels):

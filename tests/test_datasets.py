@@ -44,6 +44,22 @@ def test_an_infinite_dataset_takes_steps_per_epoch(strategy, user_data):
     assert int(model.optimizer.iterations.numpy()) == 2 * 3
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_validation_steps_take_the_batches_kerass_fit_takes(strategy, few_digits):
+    """One validation step per epoch on a dataset of 2 batches: Keras's fit validates on the first batch, then
+    (its iterator going on) on the second. Single and LayerPlacement, which run Keras's fit 8 steps per call,
+    validated the first epoch on both batches and the second on the first (0.016 from Keras's val_accuracy)."""
+    x, y = few_digits
+    train = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64).repeat()
+    validation = tf.data.Dataset.from_tensor_slices((x[256:], y[256:])).batch(32)
+    options = {"validation_data": validation, "validation_steps": 1, "epochs": 2, "steps_per_epoch": 2,
+               "shuffle": False, "verbose": 0}
+    expected = build_small_cnn().fit(train, **options).history
+    history = cnnpar.fit(build_small_cnn(), train, strategy=strategy, results_dir=None, **options).history
+    for name in ("val_loss", "val_accuracy"):
+        assert history[name] == pytest.approx(expected[name], abs=1e-5), name
+
+
 @pytest.mark.parametrize("strategy", ["single", cnnpar.ChannelSharded(2)], ids=str)
 def test_tensorboard_writes_the_epoch_scalars(strategy, user_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
