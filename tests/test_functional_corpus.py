@@ -6,7 +6,8 @@ sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 ``Multiply``, ``Maximum``); pooling after a merge; strided and 1x1
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
 blocks (Normalization, squeeze and excitation); separable convolutions;
-ConvNeXt's LayerNormalization; global pooling with and without ``keepdims``;
+ConvNeXt's LayerNormalization; GroupNormalization, UnitNormalization and
+ActivityRegularization; global pooling with and without ``keepdims``;
 Dense layers on every pixel's channels; Dense logits without a softmax; weight
 and activity regularizers (in float32); weight constraints. One SGD step under
 ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's weights,
@@ -197,9 +198,21 @@ def transposed(x):
     return L.Dense(10)(L.Flatten()(L.BatchNormalization()(x)))
 
 
+def group_normalized(x):
+    """GroupNormalization after a convolution (groups of 2 channels) and twice after a strided one (without
+    center, then a group per channel without scale, as instance normalization does), an ActivityRegularization
+    layer, global max pooling, a UnitNormalization of the features and Dense logits. The mesh refused the three
+    layers by name. (Global average pooling of a group per channel would be its beta alone, whatever the input.)"""
+    x = L.ReLU()(L.GroupNormalization(groups=4)(L.Conv2D(8, 3, padding="same")(x)))
+    x = L.Conv2D(16, 3, strides=2, padding="same", use_bias=False)(L.Dense(8)(x))
+    x = L.GroupNormalization(groups=2, center=False)(x)
+    x = L.ActivityRegularization(l1=1e-3, l2=1e-2)(L.GroupNormalization(groups=16, scale=False)(x))
+    return L.Dense(10)(L.UnitNormalization()(L.GlobalMaxPooling2D()(x)))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
           squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled,
-          transposed]
+          transposed, group_normalized]
 
 
 @functools.cache
@@ -232,11 +245,14 @@ def after_one_step(build, strategy, dtype, images=8):
 
 
 def in_dtype(dtype, layer, config):
-    """A layer's ``config`` computing in ``dtype``; without regularizers in float64, where Keras cannot add their
-    float64 terms to its float32 loss (a ``TypeError`` under Single)."""
+    """A layer's ``config`` computing in ``dtype``; without regularizers in float64 (an ``ActivityRegularization``
+    made an ``Identity``), where Keras cannot add their float64 terms to its float32 loss (a ``TypeError`` under
+    Single)."""
     config.update(dtype=dtype)
     if dtype == "float64":
         config.update({key: None for key in config if key.endswith("_regularizer")})
+        if isinstance(layer, L.ActivityRegularization):
+            return L.Identity(name=layer.name, dtype=dtype)
 
 
 @functools.cache

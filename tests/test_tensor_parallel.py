@@ -244,21 +244,20 @@ def test_a_channel_count_that_does_not_split_names_the_layer_and_the_divisors():
 
 
 def test_an_unsupported_layer_is_named_with_the_supported_ones():
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3),
-                              keras.layers.GroupNormalization(2, name="norm"), keras.layers.Flatten(),
-                              keras.layers.Dense(10)])
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3), keras.layers.PReLU(name="act"),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
     with pytest.raises(ValueError) as raised:
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
-        "channel sharding cannot convert layer 'norm' of type GroupNormalization; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, LayerNormalization, DepthwiseConv2D, SeparableConv2D, Conv2DTranspose, "
-        "Normalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, ZeroPadding2D, "
-        "Cropping2D, "
+        "channel sharding cannot convert layer 'act' of type PReLU; the supported layers are Conv2D, "
+        "Dense, BatchNormalization, LayerNormalization, GroupNormalization, DepthwiseConv2D, SeparableConv2D, "
+        "Conv2DTranspose, Normalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, "
+        "ZeroPadding2D, Cropping2D, "
         "UpSampling2D, Flatten, Reshape, Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, "
-        "Rescaling, Identity, "
+        "Rescaling, Identity, UnitNormalization, ActivityRegularization, "
         "Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate, and at the model's input, before them, any "
-        "layer without weights (augmentation such as RandomFlip, which runs on the host). Received: layer='norm' "
-        "(GroupNormalization)")
+        "layer without weights (augmentation such as RandomFlip, which runs on the host). Received: layer='act' "
+        "(PReLU)")
 
 
 def test_a_reshape_other_than_adding_or_removing_unit_axes_is_refused_after_the_input():

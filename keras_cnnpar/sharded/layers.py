@@ -71,13 +71,15 @@ def activation_layout(mesh, shape, channels_sharded=False, batch_split=False):
 
 
 def mixes_channels(layer):
-    """Whether ``layer`` computes across the channels (a softmax), so it runs on whole channels.
+    """Whether ``layer`` computes across the channels (a softmax, a unit normalization), so it runs on whole
+    channels.
 
     >>> mixes_channels(keras.layers.Dense(10, activation="softmax")), mixes_channels(keras.layers.ReLU())
     (True, False)
     """
     name = keras.activations.serialize(layer.activation) if hasattr(layer, "activation") else None
-    return isinstance(layer, keras.layers.Softmax) or (isinstance(name, str) and name in CHANNEL_MIXING)
+    return (isinstance(layer, keras.layers.Softmax | keras.layers.UnitNormalization)
+            or (isinstance(name, str) and name in CHANNEL_MIXING))
 
 
 def to_mesh(value, layout):
@@ -762,6 +764,55 @@ class ShardedLayerNormalization(LayoutKeeping):
             shift = -mean * inverse
             y = x * inverse + (shift if beta is None else shift + beta)
         return tf.cast(y, self.compute_dtype)
+
+
+class ShardedGroupNormalization(LayoutKeeping):
+    """A ``keras.layers.GroupNormalization`` over the channels (last axis), on whole channels (sharded ones are
+    gathered first) and the batch as it comes: each example's statistics over the image and its group's channels,
+    gamma and beta whole on every device. The arithmetic is float32 (float64 for float64 input), as Keras's.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tensorflow.experimental import dtensor
+    >>> from keras_cnnpar import devices
+    >>> mesh = dtensor.create_mesh([("model", 2)], devices=devices.configure(2))
+    >>> norm = keras.layers.GroupNormalization(groups=2)
+    >>> x = np.random.default_rng(0).random((4, 3, 3, 6), dtype="float32")
+    >>> reference = norm(x).numpy()
+    >>> bool(np.allclose(ShardedGroupNormalization(norm, mesh).forward(x), reference, atol=1e-5))
+    True
+
+    Args:
+        layer: the built ``keras.layers.GroupNormalization`` to copy (``axis=-1``).
+        mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
+        batch_split: whether its input is split over the batch (whole channels on each device).
+    """
+
+    def __init__(self, layer, mesh, batch_split=False):
+        super().__init__(layer)
+        if layer.axis not in (-1, layer.input_spec.ndim - 1):
+            raise ValueError(f"channel sharding supports GroupNormalization over the last axis; layer {layer.name!r} "
+                             f"has axis={layer.axis!r}. Received: axis={layer.axis!r}")
+        self.mesh, self.batch_split = mesh, batch_split
+        self.groups, self.epsilon = layer.groups, layer.epsilon
+        variables = self._mirror_weights(layer, channels_sharded=False)
+        self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
+        self.compute_dtype = tf.as_dtype(layer.compute_dtype)
+
+    def __call__(self, x, training=False):
+        x = dtensor.relayout(x, activation_layout(self.mesh, x.shape, batch_split=self.batch_split))
+        x = tf.cast(x, tf.float64 if x.dtype == tf.float64 else tf.float32)
+        shape = x.shape
+        grouped = tf.reshape(x, [*shape[:-1], self.groups, shape[-1] // self.groups])
+        mean, variance = moments(grouped, [*range(1, len(shape) - 1), len(shape)], keepdims=True)
+        inverse = tf.math.rsqrt(variance + self.epsilon)  # Keras's order of operations
+        if self.gamma is not None:
+            inverse = inverse * tf.reshape(tf.cast(self.gamma, x.dtype), [self.groups, -1])
+        shift = -mean * inverse
+        if self.beta is not None:
+            shift = shift + tf.reshape(tf.cast(self.beta, x.dtype), [self.groups, -1])
+        return tf.cast(tf.reshape(grouped * inverse + shift, shape), self.compute_dtype)
 
 
 def depthwise_conv(x, kernel, strides, padding):

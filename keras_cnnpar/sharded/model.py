@@ -19,7 +19,8 @@ Megatron pairs its layers; a Dense whose output is gathered anyway (a softmax,
 the model's output) runs in row mode, so its units need not split.
 BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
 Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
-a ``Reshape`` of axes of size 1 and activations keep the layout they get; an
+a ``Reshape`` of axes of size 1 and activations keep the layout they get
+(GroupNormalization, UnitNormalization and a softmax gather the channels); an
 ``Add`` (or another elementwise merge) takes the layout of its inputs, split
 over the batch if any is, else sharded if any is, and re-lays the others out to
 it (cutting a whole tensor needs no communication); ``Concatenate`` of tensors
@@ -65,6 +66,7 @@ from keras_cnnpar.sharded.layers import (
     ShardedConv2DTranspose,
     ShardedDense,
     ShardedDepthwiseConv2D,
+    ShardedGroupNormalization,
     ShardedLayer,
     ShardedLayerNormalization,
     ShardedNormalization,
@@ -80,15 +82,17 @@ from keras_cnnpar.sharded.layers import (
     windows,
 )
 
-#: Layers that work elementwise and keep the layout (``Softmax`` and a softmax activation gather the channels).
-ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling", "Identity")
+#: Layers without weights that work elementwise and keep the layout (``Softmax``, a softmax activation and
+#: ``UnitNormalization`` gather the channels; ``ActivityRegularization`` passes its input on).
+ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling", "Identity", "UnitNormalization",
+               "ActivityRegularization")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "SeparableConv2D",
-             "Conv2DTranspose", "Normalization", "MaxPooling2D", "AveragePooling2D", "GlobalAveragePooling2D",
-             "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten", "Reshape", "Dropout",
-             "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
-             "Concatenate")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "GroupNormalization", "DepthwiseConv2D",
+             "SeparableConv2D", "Conv2DTranspose", "Normalization", "MaxPooling2D", "AveragePooling2D",
+             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten",
+             "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average",
+             "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -352,6 +356,8 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in ("BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "Conv2DTranspose",
                 "Normalization"):  # the input's
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
+    if kind == "GroupNormalization":  # on whole channels
+        return _Tensor(False, None, True, first.batch_split)
     if kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind == "Concatenate":
@@ -526,6 +532,8 @@ class ShardedModel(tf.Module):
             op = ShardedNormalization(layer, self.mesh, first.sharded)
         elif kind == "LayerNormalization":
             op = ShardedLayerNormalization(layer, self.mesh, first.sharded)
+        elif kind == "GroupNormalization":
+            op = ShardedGroupNormalization(layer, self.mesh, first.batch_split)
         elif kind in Merge.FUNCTIONS:
             op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
