@@ -144,10 +144,13 @@ def float_noise(model, x, y):
 
     This is how far Single's own gradient is from exact arithmetic: the floor
     under which no strategy that sums in another order can be compared with it.
+    Both copies leave the regularizers out: Keras cannot add a float64 model's
+    penalties to its float32 loss (a ``TypeError``), and the float noise is the loss's.
     """
-    exact = _sgd_copy(model, dtype="float64")
+    exact = _sgd_copy(model, dtype="float64", regularized=False)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(
-        _single_gradient(_sgd_copy(model), x, y), _single_gradient(exact, np.asarray(x, "float64"), y)))
+        _single_gradient(_sgd_copy(model, regularized=False), x, y),
+        _single_gradient(exact, np.asarray(x, "float64"), y)))
 
 
 def _single_gradient(model, x, y):
@@ -157,15 +160,18 @@ def _single_gradient(model, x, y):
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
-def _sgd_copy(model, dtype=None):
+def _sgd_copy(model, dtype=None, regularized=True):
     """A copy of ``model`` with its weights, compiled with plain SGD (learning rate 1) and its loss, whose random
     layers (dropout, noise, augmentation: ``rebuild.draws_at_random``) pass their input through, so that every
     copy's step is the same function of the weights; with ``dtype``, every layer computes and keeps its weights in
-    it."""
+    it; without ``regularized``, no weight or activity regularizer adds to its loss."""
     def deterministic(layer, config):
         if dtype is not None:
             config["dtype"] = dtype
-        if rebuild.draws_at_random(layer):
+        if not regularized:
+            config.update({key: None for key in config if key.endswith("_regularizer")})
+        penalty_only = not regularized and isinstance(layer, keras.layers.ActivityRegularization)
+        if rebuild.draws_at_random(layer) or penalty_only:
             return keras.layers.Identity(name=layer.name, dtype=config["dtype"])
 
     copy = rebuild.clone_with(model, deterministic)
