@@ -18,12 +18,33 @@ Example:
 
 import contextlib
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import tensorflow as tf
 
 from keras_cnnpar.atomic import write_atomic
+
+
+class SaverRetracingFilter(logging.Filter):
+    """Drops TensorFlow's warning that its own checkpoint saver retraced.
+
+    Where the variables live on several tasks (AsyncPS's parameter servers),
+    TensorFlow's ``MultiDeviceSaver.save`` traces a new function on every save,
+    by design, and from the fifth save on TensorFlow warns that a function
+    "triggered tf.function retracing" and advises the user to change code that
+    is not theirs. Other retracing warnings pass.
+
+    >>> record = logging.makeLogRecord({"msg": "5 out of the last 5 calls to <function "
+    ...                                        "MultiDeviceSaver.save.<locals>.tf_function_save at 0x1> triggered "
+    ...                                        "tf.function retracing."})
+    >>> SaverRetracingFilter().filter(record)
+    False
+    """
+
+    def filter(self, record):
+        return "MultiDeviceSaver.save.<locals>.tf_function_save" not in record.getMessage()
 
 
 class RunCheckpoint:
@@ -132,6 +153,8 @@ class RunCheckpoint:
         self.epochs.assign(completed_epochs)
         if self._manager is None:
             self._manager = tf.train.CheckpointManager(self.checkpoint, self._absolute, max_to_keep=1)
+            if not any(isinstance(f, SaverRetracingFilter) for f in tf.get_logger().filters):
+                tf.get_logger().addFilter(SaverRetracingFilter())
         try:
             self._manager.save()
             self.record_config()

@@ -1,4 +1,5 @@
 import csv
+import logging
 import re
 import statistics
 import subprocess
@@ -7,9 +8,10 @@ import time
 
 import keras
 import pytest
+import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import experiments, runs
+from keras_cnnpar import checkpoints, experiments, runs
 from tests.helpers import ENV, documented_runs_columns
 from tests.helpers import read_rows as read
 
@@ -272,3 +274,23 @@ def test_an_append_waits_for_a_writer_that_holds_the_file_mid_line(tmp_path, nam
         holder.wait(timeout=30)
     lines = (tmp_path / name).read_text().splitlines()
     assert lines[0] == first_line and len(lines) == 2
+
+
+def test_tensorflows_warning_that_its_own_checkpoint_saver_retraced_is_not_shown(small_cnn, tmp_path):
+    """Where the variables live on several tasks (AsyncPS's parameter servers), TensorFlow's saver traces a new
+    function on every save and, from the fifth epoch's checkpoint, printed a warning per save that told the user to
+    change code that is not theirs. Once a run's checkpoint saves, that warning is dropped; others pass."""
+    model = small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    checkpoints.RunCheckpoint(model, tmp_path / "run", resume=False).save(completed_epochs=1)
+    seen, handler, logger = [], logging.Handler(), tf.get_logger()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        for function in ("MultiDeviceSaver.save.<locals>.tf_function_save", "train_step"):
+            logger.warning(f"5 out of the last 5 calls to <function {function} at 0x1> triggered tf.function "
+                           "retracing.")
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in seen] == [
+        "5 out of the last 5 calls to <function train_step at 0x1> triggered tf.function retracing."]
