@@ -348,8 +348,8 @@ def _metrics_update(model):
 
 
 class _MeshOptimizer:
-    """The update rule of a Keras SGD, Adam, AdamW or RMSprop optimizer, on DVariables; each slot is laid out like
-    its variable.
+    """The update rule of a Keras SGD, Adam, AdamW, RMSprop, Adagrad, Adamax or Lion optimizer, on DVariables; each
+    slot is laid out like its variable.
 
     Its state (``iterations``, then the slots in Keras's order: each
     variable's for SGD and Adam, each kind's for RMSprop) moves to and from
@@ -373,7 +373,10 @@ class _MeshOptimizer:
     """
 
     SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity"), "AdamW": ("momentum", "velocity"),
-                              "RMSprop": ("velocity", "momentum", "average_gradient")}
+                              "RMSprop": ("velocity", "momentum", "average_gradient"), "Adagrad": ("accumulator",),
+                              "Adamax": ("momentum", "norm"), "Lion": ("momentum",)}
+    #: The optimizers whose update runs as a fused kernel when ``fused`` (the others' are element-wise).
+    FUSED: typing.ClassVar = ("SGD", "Adam", "AdamW")
     #: The optimizers whose slots Keras orders by kind (every variable's first slot, then every second), not by
     #: variable.
     BY_KIND: typing.ClassVar = ("RMSprop",)
@@ -399,8 +402,9 @@ class _MeshOptimizer:
         mesh = dtensor.fetch_layout(variables[0]).mesh
         self.scalar = dtensor.Layout.replicated(mesh, 0)
         self.iterations = dtensor.DVariable(to_mesh(np.int64(0), self.scalar), name="iterations")
-        self.slots = [{name: dtensor.DVariable(to_mesh(np.zeros(v.shape, v.dtype.as_numpy_dtype),
-                                                      dtensor.fetch_layout(v)))
+        start = self.config.get("initial_accumulator_value", 0.0)  # Adagrad's accumulators start there
+        self.slots = [{name: dtensor.DVariable(to_mesh(np.full(v.shape, start if name == "accumulator" else 0.0,
+                                                               v.dtype.as_numpy_dtype), dtensor.fetch_layout(v)))
                        for name in self._slot_names()} for v in variables]
 
     def _slot_names(self):
@@ -439,8 +443,9 @@ class _MeshOptimizer:
         iterations = self.iterations.read_value()
         if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
             learning_rate = self.schedule(iterations)
-        rule = {"SGD": self._sgd, "RMSprop": self._rmsprop}.get(self.kind, self._adam)
-        fusable = self.fused and self.kind not in self.BY_KIND
+        rule = {"SGD": self._sgd, "RMSprop": self._rmsprop, "Adagrad": self._adagrad, "Adamax": self._adamax,
+                "Lion": self._lion}.get(self.kind, self._adam)
+        fusable = self.fused and self.kind in self.FUSED
         for gradient, variable, slots, decayed in zip(gradients, variables, self.slots, self.decayed):
             rate = tf.cast(learning_rate, variable.dtype)
             if fusable and not decayed:
@@ -488,6 +493,29 @@ class _MeshOptimizer:
             increment = self.config["momentum"] * slots["momentum"] + increment
             slots["momentum"].assign(increment)
         return -increment
+
+    def _adagrad(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adagrad (its accumulator assigned)."""
+        accumulator = slots["accumulator"] + tf.square(gradient)
+        slots["accumulator"].assign(accumulator)
+        return -learning_rate * gradient / tf.sqrt(accumulator + self.config["epsilon"])
+
+    def _adamax(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adamax (its slots assigned)."""
+        beta_1 = self.config["beta_1"]
+        beta_1_power = tf.pow(tf.cast(beta_1, dtype), tf.cast(iterations + 1, dtype))
+        m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
+        u = tf.maximum(self.config["beta_2"] * slots["norm"], tf.abs(gradient))
+        slots["momentum"].assign(m)
+        slots["norm"].assign(u)
+        return -learning_rate * m / ((1 - beta_1_power) * (u + self.config["epsilon"]))
+
+    def _lion(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Lion (its momentum assigned)."""
+        beta_1, beta_2, m = self.config["beta_1"], self.config["beta_2"], slots["momentum"]
+        step = -learning_rate * tf.sign(m * beta_1 + gradient * (1.0 - beta_1))
+        m.assign(m * beta_2 + gradient * (1.0 - beta_2))
+        return step
 
     def _fused(self, gradient, variable, slots, learning_rate, iterations):
         """SGD's or Adam's update of ``variable`` by TensorFlow's fused kernel."""
