@@ -86,11 +86,11 @@ class LayerPlacement(Strategy):
         names = device_lib.resolve(self.devices)
         layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
         owner = assign_stages(layers, len(names), self.placement, names)
-        stage_of = {layer.name: o for layer, o in zip(layers, owner)}
+        stage_of = _with_operations(model, {layer.name: o for layer, o in zip(layers, owner)})
         stages = [Stage(names[d], [layer for layer, o in zip(layers, owner) if o == d],
                         received=_received(layers, stage_of, d))
                   for d in dict.fromkeys(owner)]  # in layer order
-        device_of = {layer.name: names[o] for layer, o in zip(layers, owner)}
+        device_of = {name: names[o] for name, o in stage_of.items()}
 
         def clone(user_model):
             def place(layer):
@@ -145,6 +145,25 @@ class Stage:
         self.params = sum(layer.count_params() for layer in layers)
         self.bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for layer in layers for w in layer.weights)
         self.flops = sum(layer_flops(layer) for layer in layers)
+
+
+def _with_operations(model, stage_of):
+    """``stage_of`` (layer name -> stage) with the operations ``model`` calls on tensors (``a + b``,
+    ``x[:, ::-1]``, ``keras.ops.mean(x)``: no layers, so not in ``model.layers``), each in the latest stage of the
+    tensors it takes (the first stage for the model's input), where the last of them is made.
+
+    >>> inputs = keras.Input((4,))
+    >>> hidden = keras.layers.Dense(4, name="hidden")(inputs)
+    >>> model = keras.Model(inputs, keras.layers.Dense(2, name="out")(hidden + inputs[:, ::-1]))
+    >>> sorted(_with_operations(model, {"hidden": 0, "out": 1}).values())
+    [0, 0, 0, 1]
+    """
+    stage_of = dict(stage_of)
+    for call in graph.read(model).calls:  # in topological order: what an operation takes has its stage
+        if not isinstance(call.layer, keras.layers.Layer):
+            stage_of[call.layer.name] = max((stage_of.get(source.name, 0) for source in graph.sources(call.layer)),
+                                            default=0)
+    return stage_of
 
 
 def _received(layers, stage_of, stage):
@@ -230,9 +249,11 @@ def balanced_stages(costs, n_stages):
 
 
 def _placed(layer, device):
-    """A fresh copy of ``layer`` whose ``build`` and ``call`` run under ``tf.device(device)``."""
+    """A fresh copy of ``layer`` (or of an operation on tensors, which has no ``build``) whose ``build`` and
+    ``call`` run under ``tf.device(device)``."""
     copy = layer.__class__.from_config(layer.get_config())
-    copy.build = _on_device(copy.build, device)
+    if hasattr(copy, "build"):
+        copy.build = _on_device(copy.build, device)
     copy.call = _on_device(copy.call, device)
     return copy
 
