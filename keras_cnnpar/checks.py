@@ -166,7 +166,7 @@ def _sgd_copy(model, dtype=None, regularized=True):
     copy's step is the same function of the weights; with ``dtype``, every layer computes and keeps its weights in
     it; without ``regularized``, no weight or activity regularizer adds to its loss."""
     def deterministic(layer, config):
-        if dtype is not None:
+        if dtype is not None and isinstance(layer, keras.layers.Layer):  # an operation on tensors takes theirs
             config["dtype"] = dtype
         if not regularized:
             config.update({key: None for key in config if key.endswith("_regularizer")})

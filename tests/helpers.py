@@ -93,6 +93,22 @@ def build_residual_cnn(seed=0, learning_rate=0.1):
     return model
 
 
+def build_cnn_with_operations_on_tensors():
+    """A functional CNN that calls operations on tensors where users do (a slice of the images, ``a + b``,
+    ``keras.ops.relu``, ``mean`` and ``concatenate``): they are no layers, so not in ``model.layers``."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((28, 28, 1))
+    a = keras.layers.Conv2D(4, 3, padding="same", name="a")(inputs[:, :, ::-1])
+    b = keras.layers.Conv2D(4, 3, padding="same", name="b")(a)
+    x = keras.ops.relu(a + b)
+    x = keras.ops.concatenate([x, keras.ops.mean(x, axis=-1, keepdims=True)], axis=-1)
+    x = keras.layers.Flatten(name="flat")(keras.layers.MaxPooling2D(name="pool")(x))
+    model = keras.Model(inputs, keras.layers.Dense(10, name="out")(x))
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return training.parallel(model)
+
+
 def build_resnet(seed=0, learning_rate=0.1, dtype="float32"):
     """The ``"resnet"`` model kind with its variables and arithmetic in ``dtype``, compiled with plain SGD.
 

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import checks, rebuild
-from tests.helpers import build_small_cnn, max_weight_difference
+from tests.helpers import build_cnn_with_operations_on_tensors, build_small_cnn, max_weight_difference
 
 
 class SummedReplicaGradients(cnnpar.DataParallel):
@@ -73,6 +73,18 @@ def test_the_float_noise_of_a_regularized_model_is_measured(few_digits):
     check.on_train_begin()
     assert 0 < check.noise < 1e-5
     assert check.verdict == "pass"
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.DataParallel(2), cnnpar.LayerPlacement(2)], ids=repr)
+def test_a_model_that_calls_operations_on_tensors_is_checked(strategy, few_digits):
+    """The check's copies asked every operation of the graph (``a + b``, a slice) for the random layers' seed
+    generators, which only layers have: no probe ran ("'GetItem' object has no attribute '_seed_generators'")."""
+    check = checks.GradientParityCheck(build_cnn_with_operations_on_tensors(), strategy, few_digits[0][:64],
+                                       few_digits[1][:64])
+    check.on_train_begin()
+    assert check.verdict == "pass"
+    assert check.difference < 1e-5
+    assert 0 < check.noise < 1e-5
 
 
 def test_shard_check_passes_sharded_input_and_fails_loudly_on_the_same_batch(few_digits):

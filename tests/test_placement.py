@@ -6,7 +6,13 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.strategies import placement
-from tests.helpers import FLOORS, build_residual_cnn, max_weight_difference, read_rows
+from tests.helpers import (
+    FLOORS,
+    build_cnn_with_operations_on_tensors,
+    build_residual_cnn,
+    max_weight_difference,
+    read_rows,
+)
 
 DENSE = 5  # index of the 2+2's first Dense layer in model.layers
 
@@ -76,33 +82,17 @@ def test_a_skip_connection_across_the_stage_boundary_goes_to_the_stage_that_uses
         ("out", "MatMul", "CPU:1")}
 
 
-def cnn_with_operations_on_tensors():
-    """A functional CNN that calls operations on tensors where users do (a slice of the images, ``a + b``,
-    ``keras.ops.relu``, ``mean`` and ``concatenate``): they are no layers, so not in ``model.layers``."""
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((28, 28, 1))
-    a = keras.layers.Conv2D(4, 3, padding="same", name="a")(inputs[:, :, ::-1])
-    b = keras.layers.Conv2D(4, 3, padding="same", name="b")(a)
-    x = keras.ops.relu(a + b)
-    x = keras.ops.concatenate([x, keras.ops.mean(x, axis=-1, keepdims=True)], axis=-1)
-    x = keras.layers.Flatten(name="flat")(keras.layers.MaxPooling2D(name="pool")(x))
-    model = keras.Model(inputs, keras.layers.Dense(10, name="out")(x))
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return cnnpar.parallel(model)
-
-
 def test_operations_on_tensors_run_where_their_latest_input_is_made(few_digits):
     """LayerPlacement failed on such a model with a bare ``KeyError: 'add_3'``. Each operation now runs on the
     stage of its latest input: the slice of the images on the first, the rest after ``b`` on the second."""
-    run = cnnpar.LayerPlacement(2, placement={"b": 1}).prepare(cnn_with_operations_on_tensors())
+    run = cnnpar.LayerPlacement(2, placement={"b": 1}).prepare(build_cnn_with_operations_on_tensors())
     graph = tf.function(run.model).get_concrete_function(tf.TensorSpec([None, 28, 28, 1])).graph
     placed = {(op.type, op.device.split("device:")[-1]) for op in graph.get_operations()
               if len(op.name.split("/")) == 2 and op.type in ("StridedSlice", "AddV2", "Relu", "Mean", "ConcatV2")}
     assert placed == {("StridedSlice", "CPU:0"), ("AddV2", "CPU:1"), ("Relu", "CPU:1"), ("Mean", "CPU:1"),
                       ("ConcatV2", "CPU:1")}
     x, y = few_digits[0][:128], few_digits[1][:128]
-    keras_model, model = cnn_with_operations_on_tensors(), cnn_with_operations_on_tensors()
+    keras_model, model = build_cnn_with_operations_on_tensors(), build_cnn_with_operations_on_tensors()
     expected = keras_model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0).history["loss"]
     history = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0, results_dir=None,
                         strategy=cnnpar.LayerPlacement(2, microbatches=2))
