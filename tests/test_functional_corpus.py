@@ -7,7 +7,8 @@ sharded and whole tensors (``Add`` of three, ``Average``, ``Subtract``,
 convolutions; depthwise convolutions in MobileNetV2's blocks; EfficientNet's
 blocks (Normalization, squeeze and excitation); separable convolutions;
 ConvNeXt's LayerNormalization; GroupNormalization, UnitNormalization and
-ActivityRegularization; global pooling with and without ``keepdims``;
+ActivityRegularization; element-wise operations called on tensors (``a + b``,
+``keras.ops.relu``); global pooling with and without ``keepdims``;
 Dense layers on every pixel's channels; Dense logits without a softmax; weight
 and activity regularizers (in float32); weight constraints. One SGD step under
 ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's weights,
@@ -210,9 +211,23 @@ def group_normalized(x):
     return L.Dense(10)(L.UnitNormalization()(L.GlobalMaxPooling2D()(x)))
 
 
+def operations_on_tensors(x):
+    """Element-wise operations called on tensors where a user writes them instead of layers: the images divided
+    by a number, a residual ``a + b``, ``keras.ops.relu``, ``gelu`` and ``sigmoid``, a product with a number and
+    a difference of a sharded and a whole tensor, squeeze and excitation by ``*``, ``keras.activations.relu``
+    after BatchNormalization, and a number added to the logits. The mesh refused them by name."""
+    a = L.Conv2D(8, 3, padding="same")(x / 2.0)
+    residual = L.Conv2D(8, 1)(keras.ops.relu(a))
+    x = keras.ops.gelu(a + residual) * 0.5 - keras.ops.sigmoid(L.Dense(8)(x))
+    x = L.MaxPooling2D()(x)
+    gate = keras.ops.sigmoid(L.Conv2D(8, 1)(L.GlobalAveragePooling2D(keepdims=True)(x)))
+    x = keras.activations.relu(L.BatchNormalization()(L.Conv2D(16, 3, strides=2)(x * gate)))
+    return L.Dense(10)(L.GlobalAveragePooling2D()(x)) + 1.0
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
           squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled,
-          transposed, group_normalized]
+          transposed, group_normalized, operations_on_tensors]
 
 
 @functools.cache
@@ -248,6 +263,8 @@ def in_dtype(dtype, layer, config):
     """A layer's ``config`` computing in ``dtype``; without regularizers in float64 (an ``ActivityRegularization``
     made an ``Identity``), where Keras cannot add their float64 terms to its float32 loss (a ``TypeError`` under
     Single)."""
+    if not isinstance(layer, L.Layer):  # an operation on tensors computes in theirs
+        return None
     config.update(dtype=dtype)
     if dtype == "float64":
         config.update({key: None for key in config if key.endswith("_regularizer")})

@@ -433,9 +433,12 @@ def test_each_layer_of_a_graph_takes_its_mode_from_its_input_s_layout_and_the_me
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda x: keras.layers.Dense(4)(x) + 1.0,  # Keras names the operation: 'add', or 'add_N' after other adds
-     "channel sharding converts layers; the model calls the operation Add ('{add}') on tensors: use a layer "
-     "instead, for example keras.layers.Add()([a, b]) for a + b. Received: operation '{add}'"),
+    (lambda x: keras.ops.mean(keras.layers.Dense(4)(x), axis=(1, 2)),  # Keras names it 'mean', or 'mean_N'
+     "channel sharding converts layers, and element-wise operations on tensors (Add, Subtract, Multiply, Divide, "
+     "TrueDivide, Maximum, Minimum, Negative, Abs, Square, Sqrt, Exp, Relu, Relu6, ReLU, Gelu, Silu, Sigmoid, "
+     "HardSigmoid, HardSilu, Tanh, LeakyRelu, Elu, Selu, Softplus, Softsign); the model calls the operation Mean "
+     "('{operation}') on tensors: use a layer instead, for example keras.layers.GlobalAveragePooling2D() for "
+     "keras.ops.mean(x, axis=(1, 2)). Received: operation '{operation}'"),
     (lambda x: keras.layers.Add()([x, SHARED(SHARED(x))]),
      "channel sharding converts each layer once; the model calls ['shared'] more than once (shared weights). "
      "Received: model 'graph'"),
@@ -450,8 +453,8 @@ def test_a_graph_that_cannot_be_sharded_is_refused_with_the_reason(build, messag
     model = keras.Model(inputs, build(inputs), name="graph")
     with pytest.raises((TypeError, ValueError)) as raised:
         ShardedModel(model, mesh_of())
-    add = [op.name for op in model.operations if not isinstance(op, keras.layers.Layer)]
-    assert str(raised.value) == message.format(add=add[0] if add else None)
+    operations = [op.name for op in model.operations if not isinstance(op, keras.layers.Layer)]
+    assert str(raised.value) == message.format(operation=operations[0] if operations else None)
 
 
 SHARED = keras.layers.Dense(2, name="shared")

@@ -21,7 +21,8 @@ BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
 Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
 a ``Reshape`` of axes of size 1 and activations keep the layout they get
 (GroupNormalization, UnitNormalization and a softmax gather the channels); an
-``Add`` (or another elementwise merge) takes the layout of its inputs, split
+``Add`` (or another elementwise merge, or an element-wise operation called on
+tensors: ``a + b``, ``keras.ops.relu(x)``) takes the layout of its inputs, split
 over the batch if any is, else sharded if any is, and re-lays the others out to
 it (cutting a whole tensor needs no communication); ``Concatenate`` of tensors
 split over the batch stays split, else it gathers its inputs' channels. A
@@ -86,6 +87,11 @@ from keras_cnnpar.sharded.layers import (
 #: ``UnitNormalization`` gather the channels; ``ActivityRegularization`` passes its input on).
 ELEMENTWISE = ("Activation", "ReLU", "LeakyReLU", "ELU", "Softmax", "Rescaling", "Identity", "UnitNormalization",
                "ActivityRegularization")
+#: The element-wise operations a model may call on tensors instead of layers (``a + b``, ``x * 0.5``,
+#: ``keras.ops.relu(x)``; Keras keeps them out of ``model.layers``), by their Keras class names.
+OPERATIONS = ("Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Maximum", "Minimum", "Negative", "Abs", "Square",
+              "Sqrt", "Exp", "Relu", "Relu6", "ReLU", "Gelu", "Silu", "Sigmoid", "HardSigmoid", "HardSilu", "Tanh",
+              "LeakyRelu", "Elu", "Selu", "Softplus", "Softsign")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
 SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "GroupNormalization", "DepthwiseConv2D",
@@ -272,6 +278,23 @@ class Merge(tf.Module):
                               for x in xs])
 
 
+class Operation(tf.Module):
+    """An element-wise operation the model calls on tensors (one of ``OPERATIONS``), run as Keras's graph runs it
+    (its other arguments, such as the ``0.5`` of ``x * 0.5``, as they were given), on its tensors re-laid out
+    alike: ``channels_sharded`` or ``batch_split``, as a merge takes them."""
+
+    def __init__(self, operation, mesh, channels_sharded, batch_split=False):
+        super().__init__(name=module_name(operation.name))
+        self.operation, self.mesh = operation, mesh
+        self.sharded, self.batch_split = channels_sharded, batch_split
+        self.arguments = operation._inbound_nodes[0].arguments  # graph.read keys its tensors in this order
+
+    def __call__(self, *xs, training=False):
+        xs = [dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split)) for x in xs]
+        args, kwargs = self.arguments.fill_in({id(t): x for t, x in zip(self.arguments.keras_tensors, xs)})
+        return self.operation.call(*args, **kwargs)
+
+
 class Concatenate(tf.Module):
     """``Concatenate`` on the channel axis: the inputs' channels are gathered whole first, or, ``batch_split``,
     every input is split over the batch (whole channels on each device)."""
@@ -348,6 +371,8 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     batch_split = any(t.batch_split for t in inputs)
+    if not isinstance(layer, keras.layers.Layer) or kind in Merge.FUNCTIONS:  # an operation on tensors, or a merge
+        return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind in CONVOLUTIONS and not batch_axis:
         return _Tensor(False, None, True, batch_split=True)
     if kind in (*CONVOLUTIONS, "Dense"):
@@ -358,8 +383,6 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind == "GroupNormalization":  # on whole channels
         return _Tensor(False, None, True, first.batch_split)
-    if kind in Merge.FUNCTIONS:
-        return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind == "Concatenate":
         return _Tensor(False, None, differentiable, batch_split)
     if kind == "Flatten" and first.sharded:
@@ -416,7 +439,7 @@ def host_prefix(calls, input_key):
     readers = collections.Counter(key for call in calls for key in call.inputs)
     key, count = input_key, 0
     for index, call in enumerate(calls, 1):
-        if call.inputs != (key,) or readers[key] > 1 or call.layer.weights:
+        if call.inputs != (key,) or readers[key] > 1 or getattr(call.layer, "weights", ()):
             break
         if not runs_on_the_mesh(call.layer):
             count = index
@@ -432,6 +455,8 @@ def runs_on_the_mesh(layer):
     [False, True]
     """
     kind = type(layer).__name__
+    if not isinstance(layer, keras.layers.Layer):  # an operation called on tensors
+        return kind in OPERATIONS
     return kind in SUPPORTED and (kind != "Reshape" or Reshape.keeps_the_layout(layer))
 
 
@@ -451,10 +476,12 @@ def layer_graph(model):
                         f"{model.name!r} with {len(model.inputs)} inputs and {len(model.outputs)} outputs")
     read = graph.read(model)
     for call in read.calls:
-        if not isinstance(call.layer, keras.layers.Layer):
-            raise TypeError(f"channel sharding converts layers; the model calls the operation "
-                            f"{type(call.layer).__name__} ({call.layer.name!r}) on tensors: use a layer instead, for "
-                            f"example keras.layers.Add()([a, b]) for a + b. Received: operation {call.layer.name!r}")
+        if not isinstance(call.layer, keras.layers.Layer) and type(call.layer).__name__ not in OPERATIONS:
+            raise TypeError(f"channel sharding converts layers, and element-wise operations on tensors "
+                            f"({', '.join(OPERATIONS)}); the model calls the operation {type(call.layer).__name__} "
+                            f"({call.layer.name!r}) on tensors: use a layer instead, for example "
+                            f"keras.layers.GlobalAveragePooling2D() for keras.ops.mean(x, axis=(1, 2)). Received: "
+                            f"operation {call.layer.name!r}")
     if read.shared_layers():
         raise TypeError(f"channel sharding converts each layer once; the model calls {read.shared_layers()} more "
                         f"than once (shared weights). Received: model {model.name!r}")
@@ -491,7 +518,7 @@ class ShardedModel(tf.Module):
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
             op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
-            self.nodes.append(_Node(op, inputs, output, tensors[output], layer.activity_regularizer))
+            self.nodes.append(_Node(op, inputs, output, tensors[output], getattr(layer, "activity_regularizer", None)))
             converted[id(layer)] = op
         #: The modules with weights, in the Keras model's weight order.
         self.weighted = [converted[id(layer)] for layer in graph.weight_order(model)
@@ -505,6 +532,9 @@ class ShardedModel(tf.Module):
     def _convert(self, layer, index, inputs, output_key):
         """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
         kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
+        if not isinstance(layer, keras.layers.Layer):  # an element-wise operation on tensors (layer_graph checked)
+            output = output_tensor(layer, inputs, batch_axis)
+            return Operation(layer, self.mesh, output.sharded, output.batch_split), output
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
