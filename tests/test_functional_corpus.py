@@ -213,10 +213,12 @@ def group_normalized(x):
 
 def operations_on_tensors(x):
     """Element-wise operations called on tensors where a user writes them instead of layers: the images divided
-    by a number, a residual ``a + b``, ``keras.ops.relu``, ``gelu`` and ``sigmoid``, a product with a number and
-    a difference of a sharded and a whole tensor, squeeze and excitation by ``*``, ``keras.activations.relu``
-    after BatchNormalization, and a number added to the logits. The mesh refused them by name."""
-    a = L.Conv2D(8, 3, padding="same")(x / 2.0)
+    by a number (on the host, before a RandomFlip), a residual ``a + b``, ``keras.ops.relu``, ``gelu`` and
+    ``sigmoid``, a product with a number and a difference of a sharded and a whole tensor, squeeze and excitation
+    by ``*``, ``keras.activations.relu`` after BatchNormalization, and a number added to the logits. The mesh
+    refused them by name."""
+    x = L.RandomFlip("horizontal")(x / 2.0)
+    a = L.Conv2D(8, 3, padding="same")(x)
     residual = L.Conv2D(8, 1)(keras.ops.relu(a))
     x = keras.ops.gelu(a + residual) * 0.5 - keras.ops.sigmoid(L.Dense(8)(x))
     x = L.MaxPooling2D()(x)

@@ -278,21 +278,33 @@ class Merge(tf.Module):
                               for x in xs])
 
 
+def call_operation(operation, tensors):
+    """Run ``operation``, called on tensors in a model's graph (``x * 0.5``), on ``tensors`` in place of its graph
+    tensors (in the order :func:`graph.read` keys them), its other arguments (the ``0.5``) as they were given.
+
+    >>> inputs = keras.Input((2,))
+    >>> halved = inputs * 0.5
+    >>> call_operation(halved._keras_history.operation, [tf.constant([[2.0, 4.0]])]).numpy().tolist()
+    [[1.0, 2.0]]
+    """
+    arguments = operation._inbound_nodes[0].arguments
+    args, kwargs = arguments.fill_in({id(t): x for t, x in zip(arguments.keras_tensors, tensors)})
+    return operation.call(*args, **kwargs)
+
+
 class Operation(tf.Module):
     """An element-wise operation the model calls on tensors (one of ``OPERATIONS``), run as Keras's graph runs it
-    (its other arguments, such as the ``0.5`` of ``x * 0.5``, as they were given), on its tensors re-laid out
-    alike: ``channels_sharded`` or ``batch_split``, as a merge takes them."""
+    (:func:`call_operation`), on its tensors re-laid out alike: ``channels_sharded`` or ``batch_split``, as a
+    merge takes them."""
 
     def __init__(self, operation, mesh, channels_sharded, batch_split=False):
         super().__init__(name=module_name(operation.name))
         self.operation, self.mesh = operation, mesh
         self.sharded, self.batch_split = channels_sharded, batch_split
-        self.arguments = operation._inbound_nodes[0].arguments  # graph.read keys its tensors in this order
 
     def __call__(self, *xs, training=False):
-        xs = [dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split)) for x in xs]
-        args, kwargs = self.arguments.fill_in({id(t): x for t, x in zip(self.arguments.keras_tensors, xs)})
-        return self.operation.call(*args, **kwargs)
+        return call_operation(self.operation, [
+            dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split)) for x in xs])
 
 
 class Concatenate(tf.Module):
@@ -639,8 +651,8 @@ class ShardedModel(tf.Module):
         return self._preprocess[training](x) if self.preprocessing else x
 
     def _run_preprocessing(self, x, training):
-        for layer in self.preprocessing:
-            x = layer(x, training=training)
+        for layer in self.preprocessing:  # an operation on tensors (``x / 255.0``) among them takes no training
+            x = layer(x, training=training) if isinstance(layer, keras.layers.Layer) else call_operation(layer, [x])
         return x
 
     def __call__(self, x, training=False):
