@@ -48,7 +48,7 @@ def test_an_infinite_dataset_takes_steps_per_epoch(strategy, user_data):
 def test_validation_steps_take_the_batches_kerass_fit_takes(strategy, few_digits):
     """One validation step per epoch on a dataset of 2 batches: Keras's fit validates on the first batch, then
     (its iterator going on) on the second. Single and LayerPlacement, which run Keras's fit 8 steps per call,
-    validated the first epoch on both batches and the second on the first (0.016 from Keras's val_accuracy)."""
+    validated the first epoch on both batches and the second on the first."""
     x, y = few_digits
     train = tf.data.Dataset.from_tensor_slices((x[:256], y[:256])).batch(64).repeat()
     validation = tf.data.Dataset.from_tensor_slices((x[256:], y[256:])).batch(32)
