@@ -107,8 +107,9 @@ def _fit_whole_chunks(prepared, *steps):
     runs whole chunks of steps, in training and in validation alike, so 8 per call would make an epoch of 3 steps
     take 8, and a validation of 1 step read a finite dataset's every batch."""
     chunk = getattr(prepared, "steps_per_execution", 1) or 1
-    if chunk > 1:
-        prepared.steps_per_execution = math.gcd(chunk, *(count for count in steps if count))
+    divisor = math.gcd(chunk, *(count for count in steps if count))
+    if divisor != chunk:
+        prepared.steps_per_execution = divisor
 
 
 def _data_identity(labels):

@@ -260,7 +260,8 @@ class Elementwise(tf.Module):
 
 
 class Merge(tf.Module):
-    """An elementwise merge (``Add``, ``Subtract``, ``Multiply``, ``Average``, ``Maximum``, ``Minimum``) of
+    """An elementwise merge (``Add``, ``Subtract``, ``Multiply``, ``Average``, ``Maximum``, ``Minimum``), or an
+    element-wise operation the model calls on tensors (one of ``OPERATIONS``, run by :func:`call_operation`), of
     tensors with one layout: ``channels_sharded`` or ``batch_split`` (each input re-laid out to it)."""
 
     FUNCTIONS: typing.ClassVar = {
@@ -270,8 +271,9 @@ class Merge(tf.Module):
 
     def __init__(self, layer, mesh, channels_sharded, batch_split=False):
         super().__init__(name=module_name(layer.name))
-        self.function, self.mesh = self.FUNCTIONS[type(layer).__name__], mesh
-        self.sharded, self.batch_split = channels_sharded, batch_split
+        self.function = self.FUNCTIONS[type(layer).__name__] if isinstance(layer, keras.layers.Layer) else \
+            functools.partial(call_operation, layer)
+        self.mesh, self.sharded, self.batch_split = mesh, channels_sharded, batch_split
 
     def __call__(self, *xs, training=False):
         return self.function([dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split))
@@ -290,21 +292,6 @@ def call_operation(operation, tensors):
     arguments = operation._inbound_nodes[0].arguments
     args, kwargs = arguments.fill_in({id(t): x for t, x in zip(arguments.keras_tensors, tensors)})
     return operation.call(*args, **kwargs)
-
-
-class Operation(tf.Module):
-    """An element-wise operation the model calls on tensors (one of ``OPERATIONS``), run as Keras's graph runs it
-    (:func:`call_operation`), on its tensors re-laid out alike: ``channels_sharded`` or ``batch_split``, as a
-    merge takes them."""
-
-    def __init__(self, operation, mesh, channels_sharded, batch_split=False):
-        super().__init__(name=module_name(operation.name))
-        self.operation, self.mesh = operation, mesh
-        self.sharded, self.batch_split = channels_sharded, batch_split
-
-    def __call__(self, *xs, training=False):
-        return call_operation(self.operation, [
-            dtensor.relayout(x, activation_layout(self.mesh, x.shape, self.sharded, self.batch_split)) for x in xs])
 
 
 class Concatenate(tf.Module):
@@ -546,7 +533,7 @@ class ShardedModel(tf.Module):
         kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
         if not isinstance(layer, keras.layers.Layer):  # an element-wise operation on tensors (layer_graph checked)
             output = output_tensor(layer, inputs, batch_axis)
-            return Operation(layer, self.mesh, output.sharded, output.batch_split), output
+            return Merge(layer, self.mesh, output.sharded, output.batch_split), output
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
