@@ -153,3 +153,17 @@ def test_kerass_gradient_accumulation_under_tf_distribute_is_refused_saying_what
         f"{type(strategy).__name__} cannot run Keras's gradient_accumulation_steps (it fails under tf.distribute's "
         f"strategies: a merge_call inside a cond); leave it at None and {instead}. "
         "Received: gradient_accumulation_steps=2")
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.DataParallel(2), cnnpar.AsyncPS(2)], ids=["mirrored", "async-ps"])
+def test_kerass_ema_overwrite_frequency_under_tf_distribute_is_refused_saying_what_works(strategy, few_digits):
+    """Keras overwrites the weights with their moving averages every ``ema_overwrite_frequency`` steps in a
+    ``Cond`` that fails under tf.distribute (a RuntimeError, "merge_call called while defining a new graph");
+    ``use_ema`` alone trains, and fit writes the averages at its end."""
+    model = build_small_cnn(optimizer=keras.optimizers.Adam(use_ema=True, ema_overwrite_frequency=3))
+    with pytest.raises(ValueError) as raised:
+        model.fit(*few_digits, batch_size=64, strategy=strategy, results_dir=None, verbose=0)
+    assert str(raised.value) == (
+        f"{type(strategy).__name__} cannot run Keras's ema_overwrite_frequency (it fails under tf.distribute's "
+        "strategies: a merge_call inside a cond); leave it at None and let fit write the moving averages into the "
+        "weights at its end, as Keras's fit does. Received: ema_overwrite_frequency=3")

@@ -120,12 +120,15 @@ def test_a_binary_classifier_with_labels_of_shape_n_takes_single_s_step(loss, ba
 
 @pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adam with a schedule", "adamw", "sgd with decay",
-                                       "rmsprop", "rmsprop centered with momentum", "adagrad", "adamax", "lion"])
+                                       "rmsprop", "rmsprop centered with momentum", "adagrad", "adamax", "lion",
+                                       "momentum clipped by norm", "nesterov clipped by global norm",
+                                       "momentum clipped by value"])
 def test_two_steps_match_single_within_1e_4(strategy, optimizer, few_digits):
     """The schedule halves the rate at every step; the mesh optimizer had taken the epoch's rate (1e-2) for both
     steps. AdamW (its decay not on the biases), SGD with weight decay and RMSprop were refused before 2026-12-04;
     RMSprop's slots are ordered by kind, not by variable; Adagrad (from an initial accumulator value of its own),
-    Adamax and Lion (with weight decay) were refused until later that day."""
+    Adamax and Lion (with weight decay) were refused until later that day, and Keras's clipping (each setting
+    binds: unclipped, Single's weights end 1.8 to 2.0 away) until 2026-12-04's next stop."""
     halved = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)
     optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
                   "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
@@ -137,7 +140,11 @@ def test_two_steps_match_single_within_1e_4(strategy, optimizer, few_digits):
                   "rmsprop centered with momentum": lambda: keras.optimizers.RMSprop(1e-3, momentum=0.9, centered=True),
                   "adagrad": lambda: keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.5),
                   "adamax": lambda: keras.optimizers.Adamax(2e-3),
-                  "lion": lambda: keras.optimizers.Lion(1e-3, weight_decay=0.5)}
+                  "lion": lambda: keras.optimizers.Lion(1e-3, weight_decay=0.5),
+                  "momentum clipped by norm": lambda: keras.optimizers.SGD(1.0, momentum=0.5, clipnorm=0.01),
+                  "nesterov clipped by global norm": lambda: keras.optimizers.SGD(0.5, momentum=0.9, nesterov=True,
+                                                                                   global_clipnorm=0.05),
+                  "momentum clipped by value": lambda: keras.optimizers.SGD(1.0, momentum=0.5, clipvalue=1e-3)}
 
     def trained(strategy):
         model = build_small_cnn()

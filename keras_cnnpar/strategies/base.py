@@ -180,7 +180,8 @@ class Strategy(metaclass=_Configuration):
     #: None when batch-level callbacks run at every step; else how the strategy calls them instead.
     batch_hooks = None
     #: Whether the prepared copy trains under a tf.distribute strategy, where Keras's gradient_accumulation_steps
-    #: fails, and whether its optimizer's update all-reduces the replicas' gradients (the mirrored strategies).
+    #: and ema_overwrite_frequency fail, and whether its optimizer's update all-reduces the replicas' gradients
+    #: (the mirrored strategies).
     trains_under_tf_distribute = all_reduces_gradients = False
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
@@ -263,7 +264,7 @@ class Strategy(metaclass=_Configuration):
         """The prepared copy of ``model``: built under ``scope()``, with ``settings``' precision and updates."""
         if clone is None:
             clone = rebuild.clone_synchronized if self.sync_batchnorm else keras.models.clone_model
-        self._refuse_kerass_gradient_accumulation(model.optimizer)
+        self._refuse_what_fails_under_tf_distribute(model.optimizer)
         refusal = self.xla_refusal() if getattr(model, "jit_compile", False) is True else None
         if refusal:
             warnings.warn(f"{type(self).__name__} trains with jit_compile=False: {refusal}", stacklevel=4)
@@ -277,17 +278,26 @@ class Strategy(metaclass=_Configuration):
             draw_apart_on_each_replica(prepared)
         return prepared
 
-    def _refuse_kerass_gradient_accumulation(self, optimizer):
-        """Refuse the optimizer's ``gradient_accumulation_steps`` under tf.distribute, where Keras's fails."""
-        steps = getattr(optimizer, "gradient_accumulation_steps", None)
-        if not (steps and self.trains_under_tf_distribute):
+    def _refuse_what_fails_under_tf_distribute(self, optimizer):
+        """Refuse the optimizer's settings that Keras runs in a ``cond`` around a ``merge_call``, which fails under
+        tf.distribute: ``gradient_accumulation_steps``, and ``ema_overwrite_frequency`` with ``use_ema``."""
+        if not self.trains_under_tf_distribute:
             return
-        instead = (f"give the strategy accumulate={steps}, which applies the mean gradient of {steps} batches at once"
-                   if "accumulate" in inspect.signature(type(self)).parameters
-                   else f"give a batch_size {steps} times as large")
-        raise ValueError(f"{type(self).__name__} cannot run Keras's gradient_accumulation_steps (it fails under "
-                         f"tf.distribute's strategies: a merge_call inside a cond); leave it at None and {instead}. "
-                         f"Received: gradient_accumulation_steps={steps}")
+        steps = getattr(optimizer, "gradient_accumulation_steps", None)
+        if steps:
+            self._refuse_kerass("gradient_accumulation_steps", steps, (
+                f"give the strategy accumulate={steps}, which applies the mean gradient of {steps} batches at once"
+                if "accumulate" in inspect.signature(type(self)).parameters
+                else f"give a batch_size {steps} times as large"))
+        frequency = getattr(optimizer, "use_ema", False) and getattr(optimizer, "ema_overwrite_frequency", None)
+        if frequency:
+            self._refuse_kerass("ema_overwrite_frequency", frequency,
+                                "let fit write the moving averages into the weights at its end, as Keras's fit does")
+
+    def _refuse_kerass(self, setting, value, instead):
+        raise ValueError(f"{type(self).__name__} cannot run Keras's {setting} (it fails under tf.distribute's "
+                         f"strategies: a merge_call inside a cond); leave it at None and {instead}. "
+                         f"Received: {setting}={value}")
 
     def distribute(self, dataset):
         """``dataset`` (batched by the global batch) as this strategy's replicas read it in training."""

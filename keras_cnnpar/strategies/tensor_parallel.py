@@ -358,7 +358,8 @@ class _MeshOptimizer:
     set by callbacks apply; a ``LearningRateSchedule`` given as the rate is
     evaluated at every step. Weight decay (AdamW's, or ``weight_decay`` of any
     of them) shrinks each variable the Keras optimizer decays (its
-    ``exclude_from_weight_decay`` kept) before the update, as Keras does. With
+    ``exclude_from_weight_decay`` kept) before the update, as Keras does, after
+    Keras's clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``). With
     ``fused`` the updates of SGD and Adam run as TensorFlow's fused kernels
     (``ResourceApplyAdam``, ``ResourceApplyKerasMomentum``), which DTensor runs
     on each device's shard of a DVariable, with Keras's results (see
@@ -382,8 +383,7 @@ class _MeshOptimizer:
     BY_KIND: typing.ClassVar = ("RMSprop",)
     #: Settings these rules do not implement, with the value they must keep.
     DEFAULTS: typing.ClassVar = {
-        "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
-        "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
+        "use_ema": False, "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
 
     def __init__(self, optimizer, variables, decayed=None, fused=True):
         kind = type(optimizer).__name__
@@ -391,6 +391,9 @@ class _MeshOptimizer:
             raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
                              f"Received: optimizer={kind}")
         self.kind, self.config, self.fused = kind, optimizer.get_config(), fused
+        #: Keras's own clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``): on DVariables' gradients its
+        #: norms are DTensor reductions over every shard, so a sharded gradient is clipped as a whole one is.
+        self.clip = optimizer._clip_gradients
         for key, default in self.DEFAULTS.items():
             if self.config.get(key, default) != default:
                 raise ValueError(f"tensor-parallel training does not implement {kind}'s {key}; leave it at "
@@ -441,6 +444,7 @@ class _MeshOptimizer:
         was not ordered after the assignment, and the variable missed its update.
         """
         iterations = self.iterations.read_value()
+        gradients = self.clip(gradients)
         if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
             learning_rate = self.schedule(iterations)
         rule = {"SGD": self._sgd, "RMSprop": self._rmsprop, "Adagrad": self._adagrad, "Adamax": self._adamax,
