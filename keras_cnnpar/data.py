@@ -340,7 +340,9 @@ def python_batches(source):
     ``on_epoch_end`` is called after each pass, as Keras's ``fit`` does (its
     ``workers`` and ``use_multiprocessing`` are not used: batches are read in
     order, on one thread). A generator is read once, as by Keras: give
-    ``steps_per_epoch`` for an endless one.
+    ``steps_per_epoch`` for an endless one. A look at the first batch (a
+    strategy's, before training) leaves it to training: a batch counts as
+    taken when the one after it is asked for, and nothing is read ahead.
 
     >>> batches = python_batches(iter([(np.zeros((2, 3)), np.ones(2))] * 3))
     >>> batches.element_spec[0].shape.as_list(), len(list(batches))
@@ -354,18 +356,28 @@ def python_batches(source):
             source.on_epoch_end()
     else:
         first = next(source)
-        peeked = [first]
+        drawn = [first]  # drawn from the generator and not yet passed over by a pass
 
-        def batches():  # a second pass goes on where the first stopped, as the generator itself does
-            while peeked:
-                yield tuple(peeked.pop())
-            yield from (tuple(batch) for batch in source)
+        def batches():  # a pass goes on where the last one stopped, as the generator itself does
+            while drawn or _draw(source, drawn):
+                yield tuple(drawn[0])
+                drawn.pop(0)  # only once the next batch is asked for: a look at a first batch takes none
     signature = tuple(tf.TensorSpec((None, *np.shape(part)[1:]), tf.as_dtype(np.asarray(part).dtype))
                       for part in first)
     dataset = tf.data.Dataset.from_generator(batches, output_signature=signature)
     if isinstance(source, keras.utils.PyDataset):
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(source)))
-    return dataset
+        return dataset.apply(tf.data.experimental.assert_cardinality(len(source)))
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False  # else a look at the first batch draws a second
+    return dataset.with_options(options)
+
+
+def _draw(source, drawn):
+    """Append ``source``'s next batch to ``drawn``; False when it has none."""
+    batch = next(source, None)
+    if batch is not None:
+        drawn.append(batch)
+    return batch is not None
 
 
 def class_sample_weights(labels, class_weight):
