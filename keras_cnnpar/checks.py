@@ -133,7 +133,7 @@ def gradient_difference(model, strategy, x, y):
     expected = _single_gradient(_sgd_copy(model), x, y)
     probe = _sgd_copy(model)
     before = [v.numpy() for v in probe.trainable_variables]
-    fitting.fit(probe, x, y, strategy=strategy, batch_size=len(x), epochs=1, shuffle=False, verbose=0,
+    fitting.fit(probe, x, y, strategy=strategy, batch_size=_examples(x), epochs=1, shuffle=False, verbose=0,
                 results_dir=None)
     applied = [(b - v.numpy()) / strategy.lr_factor() for b, v in zip(before, probe.trainable_variables)]
     return max(float(np.max(np.abs(a - e))) for a, e in zip(applied, expected))
@@ -150,7 +150,17 @@ def float_noise(model, x, y):
     exact = _sgd_copy(model, dtype="float64", regularized=False)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(
         _single_gradient(_sgd_copy(model, regularized=False), x, y),
-        _single_gradient(exact, np.asarray(x, "float64"), y)))
+        _single_gradient(exact, _float64(x), y)))
+
+
+def _examples(x):
+    """How many examples ``x`` holds: an array, or a tuple or dict of them (a model's several inputs)."""
+    return len(tf.nest.flatten(x)[0])
+
+
+def _float64(x):
+    """``x`` (an array, or a tuple or dict of them) in float64, for a copy of the model that computes in it."""
+    return tf.nest.map_structure(lambda leaf: np.asarray(leaf, "float64"), x)
 
 
 def _single_gradient(model, x, y):

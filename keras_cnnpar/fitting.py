@@ -117,22 +117,22 @@ def _data_identity(labels):
     which a changed split, seed or source alters."""
     if isinstance(labels, tf.data.Dataset):
         return f"tf.data.Dataset of {int(labels.cardinality())} batches"
-    leaves = [np.ascontiguousarray(leaf) for leaf in tf.nest.flatten(_arrays(labels))]
+    leaves = [np.ascontiguousarray(leaf) for leaf in tf.nest.flatten(arrays(labels))]
     digest = hashlib.sha1(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()[:12]
     return f"{len(leaves[0])} examples, labels {digest}"
 
 
-def _arrays(data):
+def arrays(data):
     """``data`` as numpy arrays: an array-like, or a list, tuple or dict of them (a model's several inputs or
     outputs, as Keras takes them), lists made tuples for ``tf.data``.
 
-    >>> [a.shape for a in _arrays([np.zeros((3, 2)), np.ones(3)])], _arrays([1, 2, 3]).shape
+    >>> [a.shape for a in arrays([np.zeros((3, 2)), np.ones(3)])], arrays([1, 2, 3]).shape
     ([(3, 2), (3,)], (3,))
     """
     if isinstance(data, dict):
-        return {key: _arrays(value) for key, value in data.items()}
+        return {key: arrays(value) for key, value in data.items()}
     if isinstance(data, (list, tuple)) and data and all(np.ndim(part) >= 1 for part in data):
-        return tuple(_arrays(part) for part in data)
+        return tuple(arrays(part) for part in data)
     return np.asarray(data)
 
 
@@ -215,7 +215,7 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
             validation, validation_steps = _repeated(validation_data, strategy.steps_per_execution)
         steps = {"steps_per_epoch": steps, "validation_steps": validation_steps}
         return train, validation, {k: v for k, v in steps.items() if v is not None}, None
-    x, y = _arrays(x), _arrays(y)
+    x, y = arrays(x), arrays(y)
     weights = None if sample_weight is None else np.asarray(sample_weight, np.float32)
     examples = _examples(("x", x), ("y", y), *([] if weights is None else [("sample_weight", weights)]))
     if validation_split:
@@ -242,8 +242,8 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
     steps = {"steps_per_epoch": steps}
     validation = validation_data
     if validation_data is not None and not isinstance(validation_data, tf.data.Dataset):
-        arrays = [_arrays(a) for a in validation_data] + [None]
-        validation, steps["validation_steps"], _ = _epoch_dataset(arrays[:3], validation_batch_size or batch_size,
+        parts = [arrays(a) for a in validation_data] + [None]
+        validation, steps["validation_steps"], _ = _epoch_dataset(parts[:3], validation_batch_size or batch_size,
                                                                   strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, samples
 

@@ -34,6 +34,7 @@ Example:
 ['hybrid data=2 model=2']
 """
 
+import collections.abc
 import contextlib
 import dataclasses
 import gc
@@ -187,8 +188,10 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
 
     Args:
         model: a compiled Keras model (it is not trained: each trial trains a copy).
-        x, y: training images and labels; a trial reads ``TRIAL_BATCHES`` batches of them (repeated where there
-            are fewer), shuffled as a run's pipeline shuffles.
+        x, y: the training data as ``fit`` takes it (arrays, or lists or dicts of them; or a batched
+            ``tf.data.Dataset`` or a ``keras.utils.PyDataset`` as ``x``; not a generator, whose batches read
+            here would be lost to training); a trial reads ``TRIAL_BATCHES`` batches of them (repeated where
+            there are fewer), shuffled as a run's pipeline shuffles.
         batch_size: the global batch.
         precision: as in ``cnnpar.fit``.
         candidates: strategy objects to try instead of :func:`configurations`'s.
@@ -309,14 +312,39 @@ def _cache_key(model, devices, batch_size, precision):
 
 
 def _trial_data(x, y, batch_size):
-    """``TRIAL_BATCHES`` global batches of ``(x, y)`` (a batched dataset is read), repeated where there are
-    fewer."""
-    if isinstance(x, tf.data.Dataset):
-        pairs = list(x.unbatch().take(TRIAL_BATCHES * batch_size).as_numpy_iterator())
-        x, y = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    """``TRIAL_BATCHES`` global batches of ``(x, y)``, repeated where there are fewer: arrays, or tuples or dicts
+    of them for a model of several inputs or outputs, read from arrays, a batched ``tf.data.Dataset`` or a
+    ``keras.utils.PyDataset`` (sample weights left out). A generator is refused: what a trial reads of it would
+    be lost to training."""
     wanted = TRIAL_BATCHES * batch_size
-    index = np.arange(wanted) % len(x)
-    return np.asarray(x)[index], np.asarray(y)[index]
+    if isinstance(x, keras.utils.PyDataset):
+        x, y = _read_batches((x[index] for index in range(len(x))), wanted)
+    elif isinstance(x, tf.data.Dataset):
+        x, y = _read_batches(x.as_numpy_iterator(), wanted)
+    elif isinstance(x, collections.abc.Iterator):
+        raise ValueError("strategy='auto' measures each strategy on batches it reads first, and a generator's "
+                         "batches read there would be lost to training; give the batches as a "
+                         "keras.utils.PyDataset or a tf.data.Dataset, or choose a strategy. Received: x of type "
+                         f"{type(x).__name__}")
+    x, y = fitting.arrays(x), fitting.arrays(y)
+    index = np.arange(wanted) % len(tf.nest.flatten(x)[0])
+    return tf.nest.map_structure(lambda leaf: leaf[index], (x, y))
+
+
+def _read_batches(batches, wanted):
+    """``(x, y)`` of the first batches of ``batches`` that hold ``wanted`` examples (or of all), concatenated."""
+    read, examples = [], 0
+    for batch in batches:
+        read.append(tuple(batch)[:2])
+        examples += len(tf.nest.flatten(batch)[0])
+        if examples >= wanted:
+            break
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *read)
+
+
+def _first(data, count):
+    """The first ``count`` examples of ``data`` (an array, or a tuple or dict of them)."""
+    return tf.nest.map_structure(lambda leaf: leaf[:count], data)
 
 
 def _labelled(candidates, devices, batch_size):
@@ -331,7 +359,7 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
     trial = Trial(label, strategy.alias, strategy.num_devices)
     try:
         trial.memory_estimate_mib = memory.estimate(model, strategy, batch_size, precision)["total"] / 2**20
-        trial.parity, trial.parity_difference = _parity(model, strategy, x[:batch_size], y[:batch_size])
+        trial.parity, trial.parity_difference = _parity(model, strategy, *_first((x, y), batch_size))
         traces = strategy.steps_run_here  # async-ps: its steps run in other processes
         folder = Path(tempfile.mkdtemp(prefix="cnnpar-plan-"))
         timer = _TrialTimer(folder if traces else None, strategy.num_devices)

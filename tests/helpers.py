@@ -52,6 +52,18 @@ def balanced(digits, n, offset=0):
     return x, y
 
 
+def two_inputs_two_outputs():
+    """A functional CNN of an image and a vector of 4 features, with a digit's softmax and a regression head."""
+    keras.utils.set_random_seed(0)
+    image, features = keras.Input((28, 28, 1), name="image"), keras.Input((4,), name="features")
+    hidden = keras.layers.Concatenate()([keras.layers.Flatten()(keras.layers.Conv2D(4, 3)(image)), features])
+    outputs = [keras.layers.Dense(10, activation="softmax", name="digit")(hidden),
+               keras.layers.Dense(1, name="parity")(hidden)]
+    model = keras.Model([image, features], outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=["sparse_categorical_crossentropy", "mse"])
+    return model
+
+
 def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None):
     """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD by default."""
     keras.utils.set_random_seed(seed)

@@ -1,14 +1,16 @@
 """``cnnpar plan`` and ``strategy="auto"``: measured trials, parity first, a cache, and the choice in the run's log."""
 
+import itertools
 import time
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import planner, runs
-from tests.helpers import build_small_cnn, run_cli
+from tests.helpers import build_small_cnn, run_cli, two_inputs_two_outputs
 
 
 class Sleep(keras.callbacks.Callback):
@@ -83,6 +85,45 @@ def test_data_parallel_communicates_where_single_does_not(few_digits):
     single, mirrored = sorted(plan.trials, key=lambda t: t.devices)
     assert single.communication == 0.0 < mirrored.communication  # the replicas' gradients summed
     assert mirrored.parity == "pass" and mirrored.split == "trace"
+
+
+class Batches(keras.utils.PyDataset):
+    """Batches of 32 of ``(x, y)``, which may be lists of arrays."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y[0]) // 32
+
+    def __getitem__(self, index):
+        return [part[32 * index:32 * (index + 1)] for part in self.x], [part[32 * index:32 * (index + 1)]
+                                                                         for part in self.y]
+
+
+@pytest.mark.parametrize("data", ["arrays", "py_dataset"])
+def test_a_model_of_several_inputs_and_outputs_is_planned(few_digits, data):
+    """numpy failed on a list of inputs or outputs and on a PyDataset ("inhomogeneous shape"), and the parity
+    check took ``len(x)`` of several inputs (2) as the batch: 32 steps of 2 examples against one of 64, "FAIL"
+    under every strategy, Single's own included."""
+    images, labels = few_digits[0][:128], few_digits[1][:128]
+    x = [images, np.random.default_rng(0).normal(size=(128, 4)).astype(np.float32)]
+    y = [labels, (labels % 2).astype(np.float32)]
+    x, y = (x, y) if data == "arrays" else (Batches(x, y), None)
+    plan = planner.plan(two_inputs_two_outputs(), x, y, batch_size=64, cache=False, log=lambda line: None,
+                        candidates=[cnnpar.Single(), cnnpar.DataParallel(2)])
+    assert [(t.parity, t.images_per_second > 0) for t in plan.trials] == [("pass", True)] * 2
+
+
+def test_auto_refuses_to_read_a_generator_whose_batches_training_would_lose(few_digits):
+    batches = ((few_digits[0][:64], few_digits[1][:64]) for _ in itertools.count())
+    with pytest.raises(ValueError) as raised:
+        planner.plan(build_small_cnn(), batches, None, batch_size=64, cache=False, log=lambda line: None)
+    assert str(raised.value) == (
+        "strategy='auto' measures each strategy on batches it reads first, and a generator's batches read there "
+        "would be lost to training; give the batches as a keras.utils.PyDataset or a tf.data.Dataset, or choose a "
+        "strategy. Received: x of type generator")
 
 
 def test_a_plan_is_cached_per_model_batch_and_devices(few_digits, tmp_path, monkeypatch):

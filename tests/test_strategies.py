@@ -8,7 +8,14 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import devices, rebuild, registry, strategies
-from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weight_difference, one_sgd_step
+from tests.helpers import (
+    IN_PROCESS,
+    build_small_cnn,
+    max_difference,
+    max_weight_difference,
+    one_sgd_step,
+    two_inputs_two_outputs,
+)
 
 #: The aliases of the public API: a new strategy may join them, none may go.
 NAMES_OF_THE_API = ["async-ps", "channels", "hybrid", "layers", "mirrored", "multi-worker", "single"]
@@ -183,18 +190,6 @@ def test_a_py_dataset_and_a_generator_train_as_their_arrays_do(few_digits, strat
     cnnpar.fit(from_generator, endless, strategy=strategy, epochs=2, steps_per_epoch=4, verbose=0, results_dir=None)
     assert max_weight_difference(from_batches, from_arrays) < 1e-5
     assert max_weight_difference(from_generator, from_arrays) < 1e-5
-
-
-def two_inputs_two_outputs():
-    """A functional CNN of an image and a vector of 4 features, with a digit's softmax and a regression head."""
-    keras.utils.set_random_seed(0)
-    image, features = keras.Input((28, 28, 1), name="image"), keras.Input((4,), name="features")
-    hidden = keras.layers.Concatenate()([keras.layers.Flatten()(keras.layers.Conv2D(4, 3)(image)), features])
-    outputs = [keras.layers.Dense(10, activation="softmax", name="digit")(hidden),
-               keras.layers.Dense(1, name="parity")(hidden)]
-    model = keras.Model([image, features], outputs)
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=["sparse_categorical_crossentropy", "mse"])
-    return model
 
 
 SPLIT_BATCH = {"accumulate=2": lambda: cnnpar.Single(accumulate=2),
