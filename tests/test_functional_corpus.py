@@ -135,11 +135,11 @@ def separable(x):
 
 def layer_normalized(x):
     """ConvNeXt's block: a strided patch convolution, LayerNormalization (one with RMS scaling, one without
-    center) around a 7x7 depthwise convolution, 1x1 convolutions with GELU, a residual Add, global pooling and
-    a LayerNormalization of the features."""
+    center) around a 7x7 depthwise convolution, 1x1 convolutions with GELU and an RMSNormalization of sharded
+    channels between them, a residual Add, global pooling and a LayerNormalization of the features."""
     x = L.LayerNormalization(epsilon=1e-6)(L.Conv2D(16, 2, strides=2)(x))
     block = L.LayerNormalization(rms_scaling=True)(L.DepthwiseConv2D(7, padding="same")(x))
-    block = L.Conv2D(16, 1)(L.Conv2D(32, 1, activation="gelu")(block))
+    block = L.Conv2D(16, 1)(L.RMSNormalization()(L.Conv2D(32, 1, activation="gelu")(block)))
     x = L.LayerNormalization(center=False)(L.Add()([x, block]))
     return L.Dense(10)(L.LayerNormalization()(L.GlobalAveragePooling2D()(x)))
 

@@ -716,10 +716,10 @@ class ShardedNormalization(LayoutKeeping):
 
 
 class ShardedLayerNormalization(LayoutKeeping):
-    """A ``keras.layers.LayerNormalization`` over the channels (last axis), on channels whole, sharded, or split
-    over the batch: each example's statistics over its channels (DTensor all-reduces them where the channels
-    are sharded), gamma and beta laid out like the channels. The arithmetic is float32 (float64 for float64
-    input), as Keras's.
+    """A ``keras.layers.LayerNormalization`` or ``RMSNormalization`` over the channels (last axis), on channels
+    whole, sharded, or split over the batch: each example's statistics over its channels (DTensor all-reduces
+    them where the channels are sharded), gamma and beta (RMSNormalization's scale) laid out like the channels.
+    The arithmetic is float32 (float64 for float64 input), as Keras's.
 
     Example:
 
@@ -735,7 +735,7 @@ class ShardedLayerNormalization(LayoutKeeping):
     True
 
     Args:
-        layer: the ``keras.layers.LayerNormalization`` of a model to copy (``axis=-1``).
+        layer: the ``keras.layers.LayerNormalization`` or ``RMSNormalization`` of a model to copy (``axis=-1``).
         mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
         channels_sharded: whether its input's channels are sharded over ``"model"``.
     """
@@ -743,17 +743,22 @@ class ShardedLayerNormalization(LayoutKeeping):
     def __init__(self, layer, mesh, channels_sharded=False):
         super().__init__(layer)
         if list(np.atleast_1d(layer.axis)) not in ([-1], [len(layer.input.shape) - 1]):
-            raise ValueError(f"channel sharding supports LayerNormalization over the last axis; layer {layer.name!r} "
-                             f"has axis={layer.axis!r}. Received: axis={layer.axis!r}")
+            raise ValueError(f"channel sharding supports {type(layer).__name__} over the last axis; layer "
+                             f"{layer.name!r} has axis={layer.axis!r}. Received: axis={layer.axis!r}")
         self.mesh, self.sharded = mesh, channels_sharded
-        self.epsilon, self.rms_scaling = layer.epsilon, layer.rms_scaling
+        #: RMSNormalization's root mean square (LayerNormalization's ``rms_scaling`` divides by the deviation).
+        self.mean_square = not isinstance(layer, keras.layers.LayerNormalization)
+        self.epsilon, self.rms_scaling = layer.epsilon, getattr(layer, "rms_scaling", False)
         variables = self._mirror_weights(layer, channels_sharded)
-        self.gamma, self.beta = variables.get("gamma"), variables.get("beta")
+        self.gamma, self.beta = variables.get("gamma", variables.get("scale")), variables.get("beta")
         self.compute_dtype = tf.as_dtype(layer.compute_dtype)
 
     def __call__(self, x, training=False):
         x = tf.cast(x, tf.float64 if x.dtype == tf.float64 else tf.float32)
         gamma, beta = (None if v is None else tf.cast(v, x.dtype) for v in (self.gamma, self.beta))
+        if self.mean_square:
+            return tf.cast(x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), [-1], keepdims=True) + self.epsilon)
+                           * gamma, self.compute_dtype)
         if self.rms_scaling:
             y = x * tf.math.rsqrt(moments(x, [-1], keepdims=True)[1] + self.epsilon)
             y = y if gamma is None else y * gamma

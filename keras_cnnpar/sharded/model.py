@@ -17,8 +17,8 @@ and for Dense layers, a layer whose input is sharded (or split over the batch)
 runs in row mode, else in column mode, so a chain alternates column and row as
 Megatron pairs its layers; a Dense whose output is gathered anyway (a softmax,
 the model's output) runs in row mode, so its units need not split.
-BatchNormalization, LayerNormalization, Normalization, DepthwiseConv2D,
-Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
+BatchNormalization, LayerNormalization, RMSNormalization, Normalization,
+DepthwiseConv2D, Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
 a ``Reshape`` of axes of size 1 and activations keep the layout they get
 (GroupNormalization, UnitNormalization and a softmax gather the channels); an
 ``Add`` (or another elementwise merge, or an element-wise operation called on
@@ -94,11 +94,11 @@ OPERATIONS = ("Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Maximum", 
               "LeakyRelu", "Elu", "Selu", "Softplus", "Softsign")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "GroupNormalization", "DepthwiseConv2D",
-             "SeparableConv2D", "Conv2DTranspose", "Normalization", "MaxPooling2D", "AveragePooling2D",
-             "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D", "UpSampling2D", "Flatten",
-             "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract", "Multiply", "Average",
-             "Maximum", "Minimum", "Concatenate")
+SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "RMSNormalization", "GroupNormalization",
+             "DepthwiseConv2D", "SeparableConv2D", "Conv2DTranspose", "Normalization", "MaxPooling2D",
+             "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D",
+             "UpSampling2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract",
+             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
 
 
 class Pooling(tf.Module):
@@ -377,7 +377,7 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind in (*CONVOLUTIONS, "Dense"):
         column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind in ("BatchNormalization", "LayerNormalization", "DepthwiseConv2D", "Conv2DTranspose",
+    if kind in ("BatchNormalization", "LayerNormalization", "RMSNormalization", "DepthwiseConv2D", "Conv2DTranspose",
                 "Normalization"):  # the input's
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind == "GroupNormalization":  # on whole channels
@@ -559,7 +559,7 @@ class ShardedModel(tf.Module):
             op = ShardedConv2DTranspose(layer, self.mesh, first.sharded, first.batch_split)
         elif kind == "Normalization":
             op = ShardedNormalization(layer, self.mesh, first.sharded)
-        elif kind == "LayerNormalization":
+        elif kind in ("LayerNormalization", "RMSNormalization"):
             op = ShardedLayerNormalization(layer, self.mesh, first.sharded)
         elif kind == "GroupNormalization":
             op = ShardedGroupNormalization(layer, self.mesh, first.batch_split)
