@@ -76,11 +76,24 @@ class Accumulating(Wrapper):
                 part = _denominator(reduction, (x, y, sample_weight))
                 share = tf.math.divide_no_nan(part * replicas * self.micro_batches, whole)
                 scaled_loss = self.optimizer.scale_loss(loss * tf.cast(share, loss.dtype))  # float16's scaling
-            gradients = tape.gradient(scaled_loss, self.trainable_variables)
-            total = gradients if total is None else [a + b for a, b in zip(total, gradients)]
+            gradients = _dense(tape.gradient(scaled_loss, self.trainable_variables))
+            total = gradients if total is None else [a if b is None else a + b for a, b in zip(total, gradients)]
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        self.optimizer.apply([g / self.micro_batches for g in total], self.trainable_variables)
+        self.optimizer.apply([None if g is None else g / self.micro_batches for g in total], self.trainable_variables)
         return self.get_metrics_result()
+
+
+def _dense(gradients):
+    """``gradients`` as tensors that add and divide: an ``Embedding``'s, which come as ``tf.IndexedSlices``, made
+    dense; a variable's that the loss does not reach stays None (Keras's optimizer leaves it out).
+
+    >>> table = tf.Variable(tf.ones((4, 2)))
+    >>> with tf.GradientTape() as tape:
+    ...     loss = tf.reduce_sum(tf.gather(table, [1, 1]))
+    >>> [type(g).__name__ for g in tape.gradient(loss, [table])], _dense(tape.gradient(loss, [table]))[0].shape
+    (['IndexedSlices'], TensorShape([4, 2]))
+    """
+    return [None if gradient is None else tf.convert_to_tensor(gradient) for gradient in gradients]
 
 
 def loss_reduction(loss):

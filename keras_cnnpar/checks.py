@@ -164,10 +164,13 @@ def _float64(x):
 
 
 def _single_gradient(model, x, y):
-    """The gradient of ``model``'s loss on ``(x, y)`` on one device, in training mode."""
+    """The gradient of ``model``'s loss on ``(x, y)`` on one device, in training mode, as dense arrays (an
+    ``Embedding``'s comes as ``tf.IndexedSlices``; a variable the loss does not reach has zeros)."""
+    variables = model.trainable_variables
     with tf.GradientTape() as tape:
         loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True), training=True)
-    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    return [np.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g).numpy()
+            for g, v in zip(tape.gradient(loss, variables), variables)]
 
 
 def _sgd_copy(model, dtype=None, regularized=True):

@@ -214,8 +214,9 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
 
 
 def _values(tensor):
-    """Values per example of ``tensor`` (its shape without the batch axis)."""
-    return int(np.prod(tensor.shape[1:]))
+    """Values per example of ``tensor`` (its shape without the batch axis); an axis whose size Keras does not know
+    until the model runs (a user's layer that reshapes to ``-1``) counts as 1."""
+    return int(np.prod([size or 1 for size in tensor.shape[1:]]))
 
 
 def _keeps_own_output(layer):

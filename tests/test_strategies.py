@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import devices, rebuild, registry, strategies
+from keras_cnnpar import checks, devices, memory, rebuild, registry, strategies
 from tests.helpers import (
     IN_PROCESS,
     build_small_cnn,
@@ -637,3 +637,51 @@ def test_replace_makes_a_changed_copy_and_refuses_options_the_strategy_does_not_
     assert (strategy.replace(accumulate=4).accumulate, strategy.accumulate) == (4, 2)
     with pytest.raises(ValueError, match=r"^DataParallel takes no option 'microbatches'. Received: "):
         strategy.replace(microbatches=2)
+
+
+class PositionedTokens(keras.layers.Layer):
+    """A user's layer: the feature map's pixels as tokens, of a length it leaves unknown (as Keras's
+    ``extract_patches`` does), plus a learned embedding of each position (an ``Embedding``, whose gradient comes
+    as ``tf.IndexedSlices``)."""
+
+    def __init__(self, positions, **kwargs):
+        super().__init__(**kwargs)
+        self.positions = positions
+        self.embedding = keras.layers.Embedding(positions, 8)
+
+    def call(self, x):
+        tokens = keras.ops.reshape(x, (keras.ops.shape(x)[0], -1, 8))
+        return tokens + self.embedding(keras.ops.arange(self.positions))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape[0], None, 8
+
+    def get_config(self):
+        return {**super().get_config(), "positions": self.positions}
+
+
+def build_tokens_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((28, 28, 1))
+    tokens = PositionedTokens(169)(keras.layers.Conv2D(8, 3, strides=2, activation="relu")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(tokens)))
+    model.compile(keras.optimizers.SGD(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "layers"])
+def test_an_embedding_and_a_length_keras_leaves_unknown_train_as_under_keras(strategy, few_digits):
+    """A small ViT as users write one failed under DataParallel (an Embedding's gradient, ``IndexedSlices``,
+    could not be divided), under LayerPlacement (its FLOP estimate multiplied the unknown length), and so in
+    every trial of ``strategy="auto"`` (the memory estimate did too; the parity check could not read the
+    gradient as numpy)."""
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    keras_model, model = build_tokens_model(), build_tokens_model()
+    keras_model.fit(x, y, batch_size=64, shuffle=False, verbose=0)
+    cnnpar.fit(model, x, y, strategy=strategy, batch_size=64, shuffle=False, verbose=0, results_dir=None)
+    assert max_weight_difference(model, build_tokens_model()) > 1e-3  # the steps moved the weights
+    assert max_weight_difference(model, keras_model) < 1e-5
+    check = checks.GradientParityCheck(build_tokens_model(), strategy, x[:64], y[:64])
+    check.on_train_begin()
+    assert check.verdict == "pass"
+    assert memory.estimate(build_tokens_model(), strategies.resolve(strategy), 64, "float32")["total"] > 0

@@ -180,12 +180,13 @@ def _received(layers, stage_of, stage):
 
 
 def layer_flops(layer):
-    """Estimated forward FLOPs per image: 2 per multiply-add of Conv2D and Dense, 1 per output value elsewhere."""
-    out = layer.output.shape[1:]
+    """Estimated forward FLOPs per image: 2 per multiply-add of Conv2D and Dense, 1 per output value elsewhere; an
+    axis of a size Keras does not know until it runs (a ``Reshape`` to ``-1`` in a user's layer) counts as 1."""
+    out = [size or 1 for size in layer.output.shape[1:]]
     if isinstance(layer, keras.layers.Conv2D):
-        return 2 * math.prod(out) * math.prod(layer.kernel_size) * layer.input.shape[-1]
+        return 2 * math.prod(out) * math.prod(layer.kernel_size) * (layer.input.shape[-1] or 1)
     if isinstance(layer, keras.layers.Dense):
-        return 2 * math.prod(out) * layer.input.shape[-1]
+        return 2 * math.prod(out) * (layer.input.shape[-1] or 1)
     return math.prod(out)
 
 
