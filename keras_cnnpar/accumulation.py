@@ -90,8 +90,9 @@ def _dense(gradients):
     >>> table = tf.Variable(tf.ones((4, 2)))
     >>> with tf.GradientTape() as tape:
     ...     loss = tf.reduce_sum(tf.gather(table, [1, 1]))
-    >>> [type(g).__name__ for g in tape.gradient(loss, [table])], _dense(tape.gradient(loss, [table]))[0].shape
-    (['IndexedSlices'], TensorShape([4, 2]))
+    >>> gradients = tape.gradient(loss, [table])
+    >>> type(gradients[0]).__name__, _dense(gradients)[0].numpy().tolist()
+    ('IndexedSlices', [[0.0, 0.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]])
     """
     return [None if gradient is None else tf.convert_to_tensor(gradient) for gradient in gradients]
 
