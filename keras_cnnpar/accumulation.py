@@ -43,7 +43,9 @@ class Accumulating(Wrapper):
     Each slice's loss is weighed by its share of the whole batch's, as the
     loss's reduction makes it: its examples over the examples of every slice of
     every replica (Keras's default, ``"sum_over_batch_size"``), its sample
-    weights over theirs (``"mean_with_sample_weight"``), or whole (``"sum"``).
+    weights over theirs (``"mean_with_sample_weight"``), or whole (``"sum"``);
+    examples whose label is the loss's ``ignore_class`` are not counted, as
+    Keras's mean leaves them out.
     So a step is one device's step on the whole batch however unevenly the
     slices or the replicas split it. (Keras's own step, under
     ``MirroredStrategy``, weighs every replica's mean alike: of 63 examples on
@@ -64,8 +66,8 @@ class Accumulating(Wrapper):
     def train_step(self, data):
         total = None
         data = keras.utils.unpack_x_y_sample_weight(data)
-        reduction = loss_reduction(self.loss)
-        whole, replicas = self.over_replicas(_denominator(reduction, data))
+        reduction, ignored = loss_reduction(self.loss), _ignored_class(self.loss)
+        whole, replicas = self.over_replicas(_denominator(reduction, data, ignored))
         for x, y, sample_weight in split_batch(data, self.micro_batches):
             with tf.GradientTape() as tape:
                 y_pred = self.inner(x, training=True)
@@ -73,7 +75,7 @@ class Accumulating(Wrapper):
                 size = tf.shape(tf.nest.flatten(x)[0])[0]
                 # The epoch's "loss", as Keras's own train_step tracks it (it read 0.0 without).
                 self._loss_tracker.update_state(unscale_loss_for_distribution(loss), sample_weight=size)
-                part = _denominator(reduction, (x, y, sample_weight))
+                part = _denominator(reduction, (x, y, sample_weight), ignored)
                 share = tf.math.divide_no_nan(part * replicas * self.micro_batches, whole)
                 scaled_loss = self.optimizer.scale_loss(loss * tf.cast(share, loss.dtype))  # float16's scaling
             gradients = _dense(tape.gradient(scaled_loss, self.trainable_variables))
@@ -108,17 +110,35 @@ def loss_reduction(loss):
     return reductions.pop() if len(reductions) == 1 else None
 
 
-def _denominator(reduction, batch):
+def _denominator(reduction, batch, ignored=None):
     """What ``batch`` (``x, y, sample_weight``) adds to what the loss's ``reduction`` divides by: its examples, or
-    the sum of its sample weights under ``"mean_with_sample_weight"``. Under ``"sum"``, which divides by nothing
+    the sum of its sample weights under ``"mean_with_sample_weight"``, each counted only where its label is not
+    the loss's ``ignored`` class (Keras masks those out of the mean). Under ``"sum"``, which divides by nothing
     (and which Keras leaves unscaled by the replicas), 1 for a replica's batch and for each of its slices alike,
-    so that every slice's sum weighs whole."""
-    x, _, sample_weight = batch
+    so that every slice's sum weighs whole.
+
+    >>> batch = (tf.zeros((4, 2)), tf.constant([0, 3, 0, 5]), tf.constant([1.0, 2.0, 3.0, 4.0]))
+    >>> [float(_denominator(reduction, batch, ignored)) for reduction, ignored in [
+    ...     ("sum_over_batch_size", None), ("sum_over_batch_size", 0), ("mean_with_sample_weight", 0)]]
+    [4.0, 2.0, 6.0]
+    """
+    x, y, sample_weight = batch
     if reduction == "sum":
         return tf.constant(1.0)
+    counted = None if ignored is None else tf.cast(
+        tf.not_equal(tf.reshape(y, [-1]), tf.cast(ignored, y.dtype)), "float32")
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        return tf.reduce_sum(tf.cast(sample_weight, "float32"))
+        weights = tf.reshape(tf.cast(sample_weight, "float32"), [-1])
+        return tf.reduce_sum(weights if counted is None else weights * counted)
+    if counted is not None:
+        return tf.reduce_sum(counted)
     return tf.cast(tf.shape(tf.nest.flatten(x)[0])[0], "float32")
+
+
+def _ignored_class(loss):
+    """The label ``loss`` leaves out of its mean (a ``SparseCategoricalCrossentropy``'s ``ignore_class``), or None;
+    None for several losses too, whose parts are weighed by their examples."""
+    return getattr(loss, "ignore_class", None)
 
 
 def split_batch(batch, parts):
