@@ -18,11 +18,11 @@ runs in row mode, else in column mode, so a chain alternates column and row as
 Megatron pairs its layers; a Dense whose output is gathered anyway (a softmax,
 the model's output) runs in row mode, so its units need not split.
 BatchNormalization, LayerNormalization, RMSNormalization, Normalization,
-DepthwiseConv2D, Conv2DTranspose, pooling, padding, cropping, upsampling, dropout, ``Flatten``,
-a ``Reshape`` of axes of size 1 and activations keep the layout they get
-(GroupNormalization, UnitNormalization and a softmax gather the channels); an
-``Add`` (or another elementwise merge, or an element-wise operation called on
-tensors: ``a + b``, ``keras.ops.relu(x)``) takes the layout of its inputs, split
+DepthwiseConv2D, Conv2DTranspose, pooling, padding, cropping, upsampling,
+dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and activations keep the
+layout they get (GroupNormalization, UnitNormalization and a softmax gather the
+channels); an ``Add`` (or another elementwise merge, or an element-wise operation
+called on tensors: ``a + b``, ``keras.ops.relu(x)``) takes the layout of its inputs, split
 over the batch if any is, else sharded if any is, and re-lays the others out to
 it (cutting a whole tensor needs no communication); ``Concatenate`` of tensors
 split over the batch stays split, else it gathers its inputs' channels. A
