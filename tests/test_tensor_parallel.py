@@ -261,10 +261,9 @@ def test_an_unsupported_layer_is_named_with_the_supported_ones():
         ShardedModel(model, mesh_of())
     assert str(raised.value) == (
         "channel sharding cannot convert layer 'act' of type PReLU; the supported layers are Conv2D, "
-        "Dense, BatchNormalization, LayerNormalization, GroupNormalization, DepthwiseConv2D, SeparableConv2D, "
-        "Conv2DTranspose, Normalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, GlobalMaxPooling2D, "
-        "ZeroPadding2D, Cropping2D, "
-        "UpSampling2D, Flatten, Reshape, Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, "
+        "Dense, BatchNormalization, LayerNormalization, RMSNormalization, GroupNormalization, DepthwiseConv2D, "
+        "SeparableConv2D, Conv2DTranspose, Normalization, MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D, "
+        "GlobalMaxPooling2D, ZeroPadding2D, Cropping2D, UpSampling2D, Flatten, Reshape, Dropout, SpatialDropout2D, Activation, ReLU, LeakyReLU, ELU, Softmax, "
         "Rescaling, Identity, UnitNormalization, ActivityRegularization, "
         "Add, Subtract, Multiply, Average, Maximum, Minimum, Concatenate, and at the model's input, before them, any "
         "layer without weights (augmentation such as RandomFlip, which runs on the host). Received: layer='act' "
