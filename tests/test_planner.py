@@ -98,8 +98,8 @@ class Batches(keras.utils.PyDataset):
         return len(self.y[0]) // 32
 
     def __getitem__(self, index):
-        return [part[32 * index:32 * (index + 1)] for part in self.x], [part[32 * index:32 * (index + 1)]
-                                                                         for part in self.y]
+        rows = slice(32 * index, 32 * (index + 1))
+        return [part[rows] for part in self.x], [part[rows] for part in self.y]
 
 
 @pytest.mark.parametrize("data", ["arrays", "py_dataset"])
