@@ -1,7 +1,7 @@
 """Everyday Keras callbacks under every in-process strategy, run against the user's model.
 
 (AsyncPS and MultiWorker run in processes of their own; their epoch loop is the
-same ``UserModelCallbacks`` path.)
+same ``UserModelCallbacks`` path, and one test runs AsyncPS's.)
 """
 
 import csv
@@ -151,3 +151,31 @@ def test_a_strategy_that_calls_batch_hooks_once_per_epoch_names_the_callbacks_th
     assert [str(w.message) for w in warned] == [
         "PerBatch has batch-level hooks, which OncePerEpoch calls once per epoch (as AsyncPS does), not at every step"]
     assert cnnpar.AsyncPS.batch_hooks.startswith("once per epoch")
+
+
+class Events(keras.callbacks.Callback):
+    """Records the epoch and test hooks in their order, with the epoch's keys and the test results."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_test_begin(self, logs=None):
+        self.seen.append("test begins")
+
+    def on_test_end(self, logs=None):
+        self.seen.append(("test ends", {name: round(float(value), 6) for name, value in logs.items()}))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append((epoch, sorted(name for name in logs if name in ("loss", "val_loss"))))
+
+
+def test_under_async_ps_a_callback_sees_validation_between_its_test_hooks_as_under_keras(user_data):
+    """AsyncPS validates in its coordinator process; the user's callbacks saw its results in the epoch's logs
+    but never ``on_test_begin`` or ``on_test_end``, which Keras calls around every validation."""
+    events = Events()
+    history = cnnpar.fit(build_small_cnn(), user_data, epochs=2, validation_data=user_data.take(1),
+                         validation_freq=2, strategy=cnnpar.AsyncPS(2, checkpoint_dir=None), callbacks=[events],
+                         results_dir=None, verbose=0)
+    validated = {name: round(history.history[f"val_{name}"][0], 6) for name in ("accuracy", "loss")}
+    assert events.seen == [(0, ["loss"]), "test begins", ("test ends", validated), (1, ["loss", "val_loss"])]

@@ -109,10 +109,19 @@ class CoordinatorProcessRun(Run):
                     "validation_steps": validation_steps if validation_data is not None else None,
                     "validation_freq": validation_freq if isinstance(validation_freq, int) else list(validation_freq)})
         batches = iter(train.repeat())  # one iterator, epoch after epoch, as Keras's fit reads it
+        validated = {}  # the coordinator's validation of the epoch, which the callbacks see between their test hooks
+
+        def train_epoch(epoch, _):
+            logs = self._train_epoch(epoch, batches, steps, train.element_spec)
+            validated.clear()
+            validated.update({name[len("val_"):]: logs.pop(name) for name in list(logs) if name.startswith("val_")})
+            return logs
+
         try:
             history = loop.run_epochs(
-                self.model, lambda epoch, _: self._train_epoch(epoch, batches, steps, train.element_spec),
-                epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose, initial_epoch=initial_epoch,
+                self.model, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
+                initial_epoch=initial_epoch, validate=(lambda _: dict(validated)) if validation_data is not None
+                else None, validation_freq=validation_freq,
                 after_epoch=lambda epoch: self._send({"stop": bool(self.model.stop_training)}))
             self._expect(DONE)
             if self.child.wait() != 0:
