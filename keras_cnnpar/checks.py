@@ -36,7 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import fitting, rebuild, strategies, timesplit
+from keras_cnnpar import fitting, graph, rebuild, strategies, timesplit
 
 #: Largest max-abs first-step gradient difference that passes (float noise is ~1e-6; a bug is ~1e-2).
 PARITY_TOLERANCE = 1e-4
@@ -179,7 +179,7 @@ def _sgd_copy(model, dtype=None, regularized=True):
     copy's step is the same function of the weights; with ``dtype``, every layer computes and keeps its weights in
     it; without ``regularized``, no weight or activity regularizer adds to its loss."""
     def deterministic(layer, config):
-        if dtype is not None and isinstance(layer, keras.layers.Layer):  # an operation on tensors takes theirs
+        if dtype is not None and not graph.is_operation(layer):  # an operation takes its tensors' dtype
             config["dtype"] = dtype
         if not regularized:
             config.update({key: None for key in config if key.endswith("_regularizer")})

@@ -106,6 +106,18 @@ def weight_order(model):
             for inner in (weight_order(layer) if is_graph(layer) else [layer])]
 
 
+def is_operation(node):
+    """Whether ``node`` of a model's graph is an operation called on tensors (``a + b``, ``x[:, ::-1]``,
+    ``keras.ops.relu(x)``), not a layer: Keras keeps those out of ``model.layers``, and they have no weights,
+    ``build`` or ``training`` argument.
+
+    >>> inputs = keras.Input((2,))
+    >>> is_operation((inputs * 0.5)._keras_history.operation), is_operation(keras.layers.Dense(1))
+    (True, False)
+    """
+    return not isinstance(node, keras.layers.Layer)
+
+
 def sources(layer):
     """The layers whose outputs ``layer`` takes as inputs (in its first call in the model)."""
     node = layer._inbound_nodes[0]

@@ -263,8 +263,8 @@ def draws_at_random(layer):
     >>> [draws_at_random(layer) for layer in model.layers]
     [True, True, False, False]
     """
-    if not isinstance(layer, keras.layers.Layer) or not layer._seed_generators or layer.weights:
-        return False  # an operation called on tensors (``a + b``) is no layer
+    if graph.is_operation(layer) or not layer._seed_generators or layer.weights:
+        return False
     shape = tuple(layer.input.shape)
     return tuple(layer.compute_output_shape(shape)) == shape
 

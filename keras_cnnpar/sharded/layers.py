@@ -747,7 +747,7 @@ class ShardedLayerNormalization(LayoutKeeping):
                              f"{layer.name!r} has axis={layer.axis!r}. Received: axis={layer.axis!r}")
         self.mesh, self.sharded = mesh, channels_sharded
         #: RMSNormalization's root mean square (LayerNormalization's ``rms_scaling`` divides by the deviation).
-        self.mean_square = not isinstance(layer, keras.layers.LayerNormalization)
+        self.mean_square = isinstance(layer, keras.layers.RMSNormalization)
         self.epsilon, self.rms_scaling = layer.epsilon, getattr(layer, "rms_scaling", False)
         variables = self._mirror_weights(layer, channels_sharded)
         self.gamma, self.beta = variables.get("gamma", variables.get("scale")), variables.get("beta")

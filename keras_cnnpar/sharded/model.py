@@ -271,8 +271,8 @@ class Merge(tf.Module):
 
     def __init__(self, layer, mesh, channels_sharded, batch_split=False):
         super().__init__(name=module_name(layer.name))
-        self.function = self.FUNCTIONS[type(layer).__name__] if isinstance(layer, keras.layers.Layer) else \
-            functools.partial(call_operation, layer)
+        self.function = functools.partial(call_operation, layer) if graph.is_operation(layer) else \
+            self.FUNCTIONS[type(layer).__name__]
         self.mesh, self.sharded, self.batch_split = mesh, channels_sharded, batch_split
 
     def __call__(self, *xs, training=False):
@@ -370,7 +370,7 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     batch_split = any(t.batch_split for t in inputs)
-    if not isinstance(layer, keras.layers.Layer) or kind in Merge.FUNCTIONS:  # an operation on tensors, or a merge
+    if graph.is_operation(layer) or kind in Merge.FUNCTIONS:
         return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
     if kind in CONVOLUTIONS and not batch_axis:
         return _Tensor(False, None, True, batch_split=True)
@@ -454,7 +454,7 @@ def runs_on_the_mesh(layer):
     [False, True]
     """
     kind = type(layer).__name__
-    if not isinstance(layer, keras.layers.Layer):  # an operation called on tensors
+    if graph.is_operation(layer):
         return kind in OPERATIONS
     return kind in SUPPORTED and (kind != "Reshape" or Reshape.keeps_the_layout(layer))
 
@@ -475,7 +475,7 @@ def layer_graph(model):
                         f"{model.name!r} with {len(model.inputs)} inputs and {len(model.outputs)} outputs")
     read = graph.read(model)
     for call in read.calls:
-        if not isinstance(call.layer, keras.layers.Layer) and type(call.layer).__name__ not in OPERATIONS:
+        if graph.is_operation(call.layer) and type(call.layer).__name__ not in OPERATIONS:
             raise TypeError(f"channel sharding converts layers, and element-wise operations on tensors "
                             f"({', '.join(OPERATIONS)}); the model calls the operation {type(call.layer).__name__} "
                             f"({call.layer.name!r}) on tensors: use a layer instead, for example "
@@ -531,7 +531,7 @@ class ShardedModel(tf.Module):
     def _convert(self, layer, index, inputs, output_key):
         """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
         kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
-        if not isinstance(layer, keras.layers.Layer):  # an element-wise operation on tensors (layer_graph checked)
+        if graph.is_operation(layer):  # an element-wise one (layer_graph checked)
             output = output_tensor(layer, inputs, batch_axis)
             return Merge(layer, self.mesh, output.sharded, output.batch_split), output
         if kind not in SUPPORTED:
@@ -639,7 +639,7 @@ class ShardedModel(tf.Module):
 
     def _run_preprocessing(self, x, training):
         for layer in self.preprocessing:  # an operation on tensors (``x / 255.0``) among them takes no training
-            x = layer(x, training=training) if isinstance(layer, keras.layers.Layer) else call_operation(layer, [x])
+            x = call_operation(layer, [x]) if graph.is_operation(layer) else layer(x, training=training)
         return x
 
     def __call__(self, x, training=False):

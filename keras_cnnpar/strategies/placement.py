@@ -160,7 +160,7 @@ def _with_operations(model, stage_of):
     """
     stage_of = dict(stage_of)
     for call in graph.read(model).calls:  # in topological order: what an operation takes has its stage
-        if not isinstance(call.layer, keras.layers.Layer):
+        if graph.is_operation(call.layer):
             stage_of[call.layer.name] = max((stage_of.get(source.name, 0) for source in graph.sources(call.layer)),
                                             default=0)
     return stage_of
