@@ -64,21 +64,34 @@ def two_inputs_two_outputs():
     return model
 
 
-def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None):
-    """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD by default."""
+def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None, dtype="float32"):
+    """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD by default,
+    its variables and arithmetic in ``dtype``."""
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(8, 5, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10, activation="softmax"),
-    ], name="small_cnn")
+    with dtype_policy(dtype):
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(8, 5, padding="same", activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ], name="small_cnn")
     model.compile(optimizer=optimizer or keras.optimizers.SGD(learning_rate),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     return training.parallel(model)
+
+
+@contextlib.contextmanager
+def dtype_policy(dtype):
+    """Layers created inside keep their variables and compute in ``dtype``."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 #: The gradient of BatchNormalization over a conv layer's 50,176 values per channel cancels heavily: Single's own
@@ -129,12 +142,8 @@ def build_resnet(seed=0, learning_rate=0.1, dtype="float32"):
     """
     keras.utils.set_random_seed(seed)
     weights = models.cnn("resnet").get_weights()  # the float32 initial weights, whatever the dtype
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(dtype)
-    try:
+    with dtype_policy(dtype):
         model = models.cnn("resnet")
-    finally:
-        keras.config.set_dtype_policy(previous)
     model.set_weights(weights)
     model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])

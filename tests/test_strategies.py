@@ -486,10 +486,13 @@ def test_a_step_is_kerass_step_on_the_whole_batch_whatever_the_losss_reduction(r
     by: with ``reduction="sum"`` two micro-batches stepped half as far as Keras on the whole batch, and under
     ``"mean_with_sample_weight"`` each replica divided by its own weights (loss 2.28867 where Single's was
     2.28792 after 2 epochs). Keras's mean leaves out the examples of a loss's ``ignore_class``, which the parts
-    counted until 2026-12-04's last stop (4 replicas' gradient 2.1e-3 from Single's, the parity check's FAIL)."""
+    counted until 2026-12-04's last stop (4 replicas' gradient 2.1e-3 from Single's, the parity check's FAIL).
+    In float64: on an AVX2 CPU, oneDNN's float32 filter gradient of the first convolution sums a part's 25,088
+    products in an order that depends on its threads, 3.9e-5 from the float64 step after one epoch here, Keras's
+    own ``fit`` included (2026-12-05)."""
     def reduced_by(reduction):
         reduction, _, ignored = reduction.partition(" ignoring class ")
-        model = build_small_cnn()
+        model = build_small_cnn(dtype="float64")
         loss = keras.losses.SparseCategoricalCrossentropy(reduction=reduction,
                                                           ignore_class=int(ignored) if ignored else None)
         model.compile(keras.optimizers.SGD(0.002 if reduction == "sum" else 0.1), loss)
@@ -502,7 +505,7 @@ def test_a_step_is_kerass_step_on_the_whole_batch_whatever_the_losss_reduction(r
     expected.fit(x, y, batch_size=batch_size * strategy.accumulate, **settings)
     model = reduced_by(reduction)
     model.fit(x, y, batch_size=batch_size, strategy=strategy, results_dir=None, **settings)
-    assert max_weight_difference(model, expected) < 1e-5
+    assert max_weight_difference(model, expected) < 1e-7
 
 
 def option_against_keras(build, alias, few_digits):
