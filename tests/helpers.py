@@ -64,9 +64,9 @@ def two_inputs_two_outputs():
     return model
 
 
-def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None, dtype="float32"):
+def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None, dtype=None):
     """A CNN without dropout or batch statistics, so one step is deterministic, compiled with SGD by default,
-    its variables and arithmetic in ``dtype``."""
+    its variables and arithmetic in ``dtype`` (by default, the global dtype policy's)."""
     keras.utils.set_random_seed(seed)
     with dtype_policy(dtype):
         model = keras.Sequential([
@@ -85,9 +85,9 @@ def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None, dtype="float32"):
 
 @contextlib.contextmanager
 def dtype_policy(dtype):
-    """Layers created inside keep their variables and compute in ``dtype``."""
+    """Layers created inside keep their variables and compute in ``dtype`` (None: the global policy's)."""
     previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(dtype)
+    keras.config.set_dtype_policy(dtype or previous)
     try:
         yield
     finally:
