@@ -18,11 +18,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras
-
-import keras_cnnpar as cnnpar
+import keras_cnnpar as cnnpar  # before TensorFlow starts: it turns oneDNN on where TensorFlow leaves it off
 
 print(cnnpar.hardware.describe(), flush=True)
+
+import keras  # noqa: E402
 
 WORKERS = (2, 4)
 

@@ -10,8 +10,7 @@ Single >= 1.3x plain Keras, DataParallel(2) >= 0.9x Single, Single in mixed_bflo
 Run: python benchmarks/fit_throughput.py [--epochs 4] [--rounds 2]
 """
 
-import keras
-from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
+from timing import EpochTimer, cnnpar, keras, parse_args, run_rounds, training_split
 
 
 def measure(name, train, epochs):

@@ -25,9 +25,7 @@ import json
 import subprocess
 import sys
 
-import keras
-import tensorflow as tf
-from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
+from timing import EpochTimer, cnnpar, keras, parse_args, run_rounds, tf, training_split
 
 try:
     import tf_keras

@@ -10,8 +10,7 @@ slowest stage per batch instead of m times the sum of the stages.
 Run: python benchmarks/placement_throughput.py [--epochs 4] [--rounds 2]
 """
 
-import keras
-from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
+from timing import EpochTimer, cnnpar, keras, parse_args, run_rounds, training_split
 
 
 def measure(strategy, train, epochs):

@@ -23,9 +23,7 @@ Run: python benchmarks/tensor_parallel_throughput.py [--epochs 3] [--rounds 2]
 import statistics
 import time
 
-import keras
-import tensorflow as tf
-from timing import EpochTimer, cnnpar, parse_args, run_rounds, training_split
+from timing import EpochTimer, cnnpar, keras, parse_args, run_rounds, tf, training_split
 
 from keras_cnnpar.sharded.layers import conv_as_filter_gradient, conv_as_matmul, depthwise_conv
 

@@ -1,8 +1,9 @@
 """What the benchmark scripts share: the machine line, 4 logical devices (2 replicas, a 2 x 2 mesh), the training
 split, images/s.
 
-Import it first: it creates the logical devices before TensorFlow starts, and prints the machine (CPU model and
-flags, oneDNN, GPUs) as the benchmark's first line.
+Import it first, and Keras and TensorFlow from it: ``import keras_cnnpar`` must come before TensorFlow starts to turn
+oneDNN on where TensorFlow leaves it off (AVX2-only CPUs), and the logical devices must be created before its runtime
+starts. It prints the machine (CPU model and flags, oneDNN, GPUs) as the benchmark's first line.
 """
 
 import argparse
@@ -16,7 +17,9 @@ import keras_cnnpar as cnnpar
 cnnpar.devices.configure(4)
 print(cnnpar.hardware.describe(), flush=True)
 
-from epoch_timer import EpochTimer  # noqa: E402, F401  (the scripts import it from here)
+import keras  # noqa: E402, F401  (after keras_cnnpar: the scripts import these three from here)
+import tensorflow as tf  # noqa: E402, F401
+from epoch_timer import EpochTimer  # noqa: E402, F401
 
 
 def training_split():
