@@ -20,11 +20,14 @@ Names are imported lazily, so ``import keras_cnnpar`` (and the ``cnnpar`` CLI's
 
 import importlib
 import os
+import warnings
 
 from keras_cnnpar import hardware, registry
 from keras_cnnpar.cluster import JOIN_AT_IMPORT, cluster_in_environment
 
-hardware.onednn_at_import()  # before TensorFlow starts: oneDNN's kernels where TensorFlow would leave them off
+# Before TensorFlow starts: oneDNN's kernels where TensorFlow would leave them off; a warning where it started first.
+if _onednn_warning := hardware.onednn_warning(hardware.onednn_at_import()):
+    warnings.warn(_onednn_warning, stacklevel=2)
 
 __version__ = "0.1.0"
 

@@ -29,8 +29,13 @@ ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
 #: CPU flags of native bfloat16 arithmetic.
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
-#: The speed of mixed_bfloat16 relative to float32 measured on a CPU without native bfloat16 (docs/benchmarks.md).
-EMULATED_BFLOAT16_SPEED = 0.19
+#: The speed of mixed_bfloat16 relative to float32 measured on a CPU without native bfloat16: an AMD EPYC with AVX2
+#: only, oneDNN on as keras_cnnpar turns it on there, 126 against 1,563 images/s (docs/benchmarks.md, 2026-12-05).
+EMULATED_BFLOAT16_SPEED = 0.08
+#: How much faster Single trained the 2+2 CNN with oneDNN than without on that CPU: 1,563 against 947 images/s.
+ONEDNN_SPEEDUP_WITHOUT_AVX512 = 1.65
+#: What :func:`enable_onednn` says when TensorFlow started before it could act.
+_STARTED_TOO_EARLY = "off: TensorFlow started before keras_cnnpar could turn it on (import keras_cnnpar first)"
 
 
 class Cpu(typing.NamedTuple):
@@ -94,7 +99,7 @@ def enable_onednn(environ=None, machine=None, tensorflow_started=None):
     if tensorflow_started is None:
         tensorflow_started = "tensorflow" in sys.modules
     if tensorflow_started and environ.get(_SET_BY_US) != "1":
-        return "off: TensorFlow started before keras_cnnpar could turn it on (import keras_cnnpar first)"
+        return _STARTED_TOO_EARLY
     environ[ONEDNN_VARIABLE], environ[_SET_BY_US] = "1", "1"
     return (f"on: turned on by keras_cnnpar (TensorFlow leaves it off on this CPU; set {ONEDNN_VARIABLE}=0 "
             f"to keep it off)")
@@ -104,6 +109,26 @@ def enable_onednn(environ=None, machine=None, tensorflow_started=None):
 def onednn_at_import():
     """What ``import keras_cnnpar`` did about oneDNN (:func:`enable_onednn` on this process), in words."""
     return enable_onednn()
+
+
+def onednn_warning(done, machine=None):
+    """The one line that warns where TensorFlow started before ``import keras_cnnpar`` could turn oneDNN on
+    (``done``: what :func:`enable_onednn` said), or None.
+
+    >>> avx2 = Cpu("AMD EPYC", frozenset({"avx2"}), x86=True)
+    >>> print(onednn_warning(enable_onednn({}, avx2, tensorflow_started=True), avx2))
+    oneDNN stays off: TensorFlow started before keras_cnnpar was imported, and it leaves oneDNN off on this CPU \
+(AMD EPYC: no AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX), where oneDNN trained 1.65x as fast (docs/benchmarks.md). \
+Import keras_cnnpar before keras and tensorflow, or set TF_ENABLE_ONEDNN_OPTS=1
+    >>> onednn_warning(enable_onednn({}, avx2, tensorflow_started=False), avx2) is None
+    True
+    """
+    if done != _STARTED_TOO_EARLY:
+        return None
+    return (f"oneDNN stays off: TensorFlow started before keras_cnnpar was imported, and it leaves oneDNN off on "
+            f"this CPU ({(machine or cpu()).model}: no AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX), where oneDNN "
+            f"trained {ONEDNN_SPEEDUP_WITHOUT_AVX512}x as fast (docs/benchmarks.md). Import keras_cnnpar before "
+            f"keras and tensorflow, or set {ONEDNN_VARIABLE}=1")
 
 
 #: Marks a ``TF_ENABLE_ONEDNN_OPTS`` that this package set (so a child process does not take it for the user's).
@@ -161,7 +186,7 @@ def bfloat16_warning(machine=None):
 
     >>> print(bfloat16_warning(Cpu("AMD EPYC", frozenset({"avx2"}), x86=True)))
     precision='mixed_bfloat16' on a CPU without native bfloat16 (AMD EPYC: no AVX512-BF16 or AMX-BF16): TensorFlow \
-emulates it, measured at 0.19x float32's speed on such a CPU (docs/benchmarks.md); use precision='float32' or 'auto'
+emulates it, measured at 0.08x float32's speed on such a CPU (docs/benchmarks.md); use precision='float32' or 'auto'
     """
     machine = machine or cpu()
     if native_bfloat16(machine):

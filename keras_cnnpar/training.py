@@ -51,7 +51,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             It is an argument of ``fit``, not of a strategy: it means the same under every one. ``"auto"``
             takes mixed_bfloat16 where the hardware computes bfloat16 natively (GPUs of compute capability 8.0
             or later, CPUs with AVX512-BF16 or AMX), else float32; mixed_bfloat16 on a CPU that emulates it
-            warns (it ran at 0.19x float32's speed there).
+            warns (it ran at 0.08x float32's speed there).
         fused_optimizer: apply the optimizer's updates with TensorFlow's fused kernels (``ResourceApplyAdam``
             and kin; see ``cnnpar.fused``), with Keras's results; False keeps Keras's element-wise update,
             for comparison (the tensor-parallel mesh optimizer follows the same switch).

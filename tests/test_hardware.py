@@ -52,12 +52,24 @@ def test_onednn_is_turned_on_only_where_tensorflow_leaves_it_off_and_the_user_sa
     assert environ == {}
 
 
+def test_keras_imported_first_on_a_cpu_where_onednn_would_be_turned_on_warns_how_to_turn_it_on():
+    late = hardware.enable_onednn({}, EMULATING, tensorflow_started=True)
+    assert hardware.onednn_warning(late, EMULATING) == (
+        "oneDNN stays off: TensorFlow started before keras_cnnpar was imported, and it leaves oneDNN off on this CPU "
+        "(Some AVX2 CPU: no AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX), where oneDNN trained 1.65x as fast "
+        "(docs/benchmarks.md). Import keras_cnnpar before keras and tensorflow, or set TF_ENABLE_ONEDNN_OPTS=1")
+    for environ, machine in [({}, NATIVE), ({"TF_ENABLE_ONEDNN_OPTS": "0"}, EMULATING),
+                             ({"TF_ENABLE_ONEDNN_OPTS": "1"}, EMULATING)]:
+        assert hardware.onednn_warning(hardware.enable_onednn(environ, machine, tensorflow_started=True),
+                                       machine) is None
+
+
 def test_bfloat16_on_a_cpu_that_emulates_it_warns_in_one_line(monkeypatch, batch, recwarn):
     monkeypatch.setattr(hardware, "cpu", lambda: EMULATING)
     cnnpar.fit(build_small_cnn(), *batch, batch_size=64, precision="mixed_bfloat16", results_dir=None, verbose=0)
     assert [str(w.message) for w in recwarn if w.category is UserWarning] == [
         "precision='mixed_bfloat16' on a CPU without native bfloat16 (Some AVX2 CPU: no AVX512-BF16 or AMX-BF16): "
-        "TensorFlow emulates it, measured at 0.19x float32's speed on such a CPU (docs/benchmarks.md); use "
+        "TensorFlow emulates it, measured at 0.08x float32's speed on such a CPU (docs/benchmarks.md); use "
         "precision='float32' or 'auto'"]
     monkeypatch.setattr(hardware, "cpu", lambda: NATIVE)
     recwarn.clear()
