@@ -488,8 +488,8 @@ def test_a_step_is_kerass_step_on_the_whole_batch_whatever_the_losss_reduction(r
     2.28792 after 2 epochs). Keras's mean leaves out the examples of a loss's ``ignore_class``, which the parts
     counted until 2026-12-04's last stop (4 replicas' gradient 2.1e-3 from Single's, the parity check's FAIL).
     In float64: on an AVX2 CPU, oneDNN's float32 filter gradient of the first convolution sums a part's 25,088
-    products in an order that depends on its threads, 3.9e-5 from the float64 step after one epoch here, Keras's
-    own ``fit`` included (2026-12-05)."""
+    products in an order that depends on its threads: two micro-batches ended 3.9e-5 from the float64 step after
+    one epoch here, as far as Keras's own ``fit`` with one intra-op thread (2026-12-05)."""
     def reduced_by(reduction):
         reduction, _, ignored = reduction.partition(" ignoring class ")
         model = build_small_cnn(dtype="float64")
