@@ -342,7 +342,7 @@ def _single_device_step_seconds(model, x, y, repeats):
     copy = _sgd_copy(model)
     x, y = tf.constant(x), tf.constant(y)
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward_backward():
         with tf.GradientTape() as tape:
             loss = copy.compute_loss(x=x, y=y, y_pred=copy(x, training=True), training=True)

@@ -53,7 +53,7 @@ class PreciseBatchNorm:
         self.copy = keras.models.clone_model(model)
         norms = [layer for layer in graph.weight_order(self.copy) if _recomputed(layer)]
 
-        @tf.function
+        @tf.function(autograph=False)
         def statistics(x):
             moments = {}
             with _reading_inputs(norms, moments):

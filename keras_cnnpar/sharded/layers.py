@@ -193,7 +193,7 @@ class WeightedModule(tf.Module):
         """This layer alone on numpy or local input, laid out as it takes it: for tests and examples (a
         ``tf.function`` of one call)."""
         layout = activation_layout(self.mesh, np.shape(x), self.takes_sharded_channels())
-        return to_numpy(tf.function(lambda x: self(x, training=training))(to_mesh(x, layout)))
+        return to_numpy(tf.function(lambda x: self(x, training=training), autograph=False)(to_mesh(x, layout)))
 
 
 class LayoutKeeping(WeightedModule):

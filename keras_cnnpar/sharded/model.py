@@ -511,7 +511,8 @@ class ShardedModel(tf.Module):
         self.preprocessing = [call.layer for call in calls[:on_host]]
         if on_host:
             self.input_key, calls = calls[on_host - 1].output, calls[on_host:]
-        self._preprocess = {training: tf.function(functools.partial(self._run_preprocessing, training=training))
+        self._preprocess = {training: tf.function(functools.partial(self._run_preprocessing, training=training),
+                                                 autograph=False)
                             for training in (False, True)}
         tensors = {self.input_key: _Tensor(False, None, False)}
         self.nodes, converted = [], {}
@@ -671,7 +672,8 @@ class ShardedModel(tf.Module):
     def forward(self, x):
         """The model on numpy images (inference), as numpy probabilities."""
         x = self.preprocess(x)
-        return to_numpy(tf.function(self.__call__)(to_mesh(x, dtensor.Layout.replicated(self.mesh, np.ndim(x)))))
+        on_mesh = to_mesh(x, dtensor.Layout.replicated(self.mesh, np.ndim(x)))
+        return to_numpy(tf.function(self.__call__, autograph=False)(on_mesh))
 
     def report(self):
         """A table of each layer with weights: its mode, weight layout and parameter bytes per device."""

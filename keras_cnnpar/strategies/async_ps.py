@@ -394,13 +394,16 @@ class _AsyncLoop:
             examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
             return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
 
-        @tf.function
+        @tf.function(autograph=False)  # as Keras's own steps (do_not_convert): tracing without it cost 10% more
         def steps(iterator, first, size):
             epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
-            results = tf.TensorArray(tf.float32, size=size)
-            for i in tf.range(size):
+
+            def step(i, results):
                 batch = _IndexedBatches.batch(epoch, first + i)
-                results = results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch,)), tf.float32))
+                return i + 1, results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch,)), tf.float32))
+
+            _, results = tf.while_loop(lambda i, _: i < size, step,
+                                       (tf.constant(0), tf.TensorArray(tf.float32, size=size)))
             return results.stack()
 
         return steps

@@ -355,7 +355,7 @@ def _time_stage(layers, x, repeats=5):
     reaches ``x`` where it is a float (not the input of a model whose ``Input`` takes integers)."""
     variables, floating = [w for layer in layers for w in layer.trainable_weights], x.dtype.is_floating
 
-    @tf.function
+    @tf.function(autograph=False)
     def step(inputs):
         with tf.GradientTape() as tape:
             if floating:

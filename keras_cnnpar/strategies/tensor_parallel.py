@@ -258,7 +258,7 @@ def _steps(sharded, optimizer, loss_fn):
         loss = loss_fn(y, y_pred, sample_weight=sample_weight)
         return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), y_pred
 
-    @tf.function
+    @tf.function(autograph=False)
     def train_step(x, y, sample_weight, learning_rate):
         with tf.GradientTape() as tape:
             loss, y_pred = loss_and_predictions(x, y, sample_weight, True)
@@ -268,14 +268,14 @@ def _steps(sharded, optimizer, loss_fn):
         optimizer.apply(gradients, variables, learning_rate)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
-    @tf.function
+    @tf.function(autograph=False)
     def test_step(x, y, sample_weight):
         loss, y_pred = loss_and_predictions(x, y, sample_weight, False)
         return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
 
     if not sharded.constrained:
         return train_step, test_step
-    constrain = tf.function(sharded.apply_constraints)
+    constrain = tf.function(sharded.apply_constraints, autograph=False)
 
     def constrained_step(*args, **kwargs):
         # The weights' constraints after the update, in a function of their own: inside the step, DTensor did not
@@ -340,7 +340,7 @@ def _only_input(x):
 def _metrics_update(model):
     """``model.compute_metrics`` as one traced function (run eagerly, it cost a few ms a step)."""
 
-    @tf.function
+    @tf.function(autograph=False)
     def update(x, y, y_pred, sample_weight=None):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
