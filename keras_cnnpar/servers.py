@@ -277,7 +277,7 @@ def _check_own_address(address, task):
 @click.option("--starter", type=int, default=None, help="Die with this process until it sends SIGUSR1.")
 def main(cluster_json, job, index, token, starter):  # the token only marks the command line
     """Run the TensorFlow server of task JOB:INDEX until SIGTERM or SIGINT (a server process of start_servers)."""
-    startup.quiet_start()
+    startup.quiet_start()  # done already when started by startup.run_module; `python -m keras_cnnpar.servers` too
     serve(parse_spec(parse_json(cluster_json, "--cluster-json")), job, index, starter=starter)
 
 

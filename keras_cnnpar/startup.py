@@ -65,9 +65,12 @@ def skip_keras_extras(keep=()):
 
 def run_module(argv):
     """``python -m keras_cnnpar.startup MODULE ARGS...``: run ``MODULE`` as ``python -m MODULE ARGS...`` would,
-    with :func:`skip_keras_extras` first (the server and coordinator processes the library starts)."""
+    with :func:`skip_keras_extras` and :func:`quiet_start` first (the server and coordinator processes the
+    library starts: an AsyncPS coordinator's TensorFlow wrote 90 lines of start-up and server logs into the
+    standard error of a user's script)."""
     module, *args = argv
     skip_keras_extras()
+    quiet_start()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -62,15 +62,17 @@ def data_bytes(folder):
 
 
 class Watcher(threading.Thread):
-    """Polls the run's coordinator process (its sockets) and its temporary folder (size, epoch folders)."""
+    """Polls the run's coordinator process (its sockets), its temporary folder (size, epoch folders) and the
+    user's working folder (anything written there)."""
 
-    def __init__(self, temporary):
+    def __init__(self, temporary, working):
         super().__init__(daemon=True)
-        self.temporary, self.done = temporary, threading.Event()
-        self.largest, self.most_epoch_folders, self.sockets = 0, 0, None
+        self.temporary, self.working, self.done = temporary, working, threading.Event()
+        self.largest, self.most_epoch_folders, self.sockets, self.written = 0, 0, None, set()
 
     def run(self):
         while not self.done.is_set():
+            self.written.update(path.name for path in self.working.iterdir())
             for folder in self.temporary.glob("cnnpar-async-*"):
                 with contextlib.suppress(OSError):  # a file removed while it was measured
                     self.largest = max(self.largest, data_bytes(folder))
@@ -89,9 +91,10 @@ class Watcher(threading.Thread):
 
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory):
-    """A 6-epoch AsyncPS(2) fit of a model built first, on 512 digits, watched from a thread. The rate is a
-    schedule (nearly constant): the coordinator used to be sent the epoch's rate to set, which Keras refuses."""
-    temporary = tmp_path_factory.mktemp("temporary")
+    """A 6-epoch AsyncPS(2) fit of a model built first, on 512 digits, without checkpoints, from an empty working
+    folder, watched from a thread. The rate is a schedule (nearly constant): the coordinator used to be sent the
+    epoch's rate to set, which Keras refuses."""
+    temporary, working = tmp_path_factory.mktemp("temporary"), tmp_path_factory.mktemp("working")
     digits = cnnpar.data.load()
     x, y = digits.x[:512], digits.y[:512]
     validation = (digits.x[512:768], digits.y[512:768])
@@ -104,9 +107,10 @@ def observed_run(tmp_path_factory):
         handed_back["trained"] = run.trained
         finalize(run, user_model)
 
-    watcher = Watcher(temporary)
+    watcher = Watcher(temporary, working)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tempfile, "tempdir", str(temporary))
+        patch.chdir(working)
         patch.setattr(async_remote.CoordinatorProcessRun, "finalize", keep_trained)
         watcher.start()
         try:
@@ -118,6 +122,13 @@ def observed_run(tmp_path_factory):
     one_pass = x.nbytes + y.nbytes + validation[0].nbytes + validation[1].nbytes
     return {"model": model, "trained": handed_back["trained"], "watcher": watcher, "one_pass": one_pass,
             "temporary": temporary}
+
+
+def test_a_run_without_checkpoints_writes_nothing_in_the_working_folder(observed_run):
+    """The coordinator created its strategy with ``strategies.create``, which reads None as "the default": with
+    ``checkpoint_dir=None`` it wrote each epoch's checkpoint under ./checkpoints (and two such runs in one folder
+    failed, one removing the other's)."""
+    assert observed_run["watcher"].written == set()
 
 
 def test_the_temporary_folder_holds_one_pass_of_the_data_and_is_removed(observed_run):

@@ -41,9 +41,9 @@ import cloudpickle
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import data, network, rebuild
+from keras_cnnpar import data, network, rebuild, registry
 from keras_cnnpar.strategies import loop
-from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings, create
+from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings
 from keras_cnnpar.subprocesses import library_command
 
 #: The prefixes of the coordinator's protocol lines on its standard output.
@@ -253,7 +253,9 @@ def main(folder, parent, private_network=False):
 
 def _coordinate(folder, run, private_network):
     """Join the cluster, load the model, answer with the report, train, and save the trained model."""
-    strategy = create("async-ps", **run["options"])
+    # Every option as the user gave it: ``strategies.create`` reads None as "the default", and a run with
+    # checkpoint_dir=None wrote its checkpoints under ./checkpoints (two such runs in one folder collided).
+    strategy = registry.entry("async-ps").load()(**run["options"])
     strategy.join(private_network=private_network)  # first: a fresh process joins the cluster
     model = keras.saving.load_model(folder / "model.keras", safe_mode=False)  # the user's process wrote it
     rebuild.exclude_from_weight_decay(model, run["weight_decay_exclusions"])
