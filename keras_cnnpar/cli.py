@@ -669,7 +669,15 @@ def run():
     """The ``cnnpar`` command: :func:`main`, without the libraries Keras imports for features the command line never
     uses (``startup.skip_keras_extras``; matplotlib stays, for reports and plans)."""
     startup.skip_keras_extras(keep=("matplotlib",))
-    main()
+    try:
+        main()
+    except SystemExit as done:  # click's way to end every command, with its exit status
+        code = done.code
+    if not isinstance(code, int):  # None: success; a message: printed, status 1 (as sys.exit does)
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    startup.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ export_dir, pixels_path, out_path = sys.argv[1:]
 signature = tf.saved_model.load(export_dir).signatures["serving_default"]
 outputs = signature(pixels=tf.constant(np.load(pixels_path)))
 np.savez(out_path, probabilities=outputs["probabilities"].numpy(), classes=outputs["class"].numpy())
+import os
+os._exit(0)  # written and closed: skip TensorFlow's teardown (startup.exit_now)
 """
 
 

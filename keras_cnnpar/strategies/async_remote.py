@@ -41,7 +41,7 @@ import cloudpickle
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import data, network, rebuild, registry
+from keras_cnnpar import data, network, rebuild, registry, startup
 from keras_cnnpar.strategies import loop
 from keras_cnnpar.strategies.base import PeerLost, Run, RunSettings
 from keras_cnnpar.subprocesses import library_command
@@ -289,3 +289,4 @@ def _random_states(model):
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), private_network="--private-network" in sys.argv[3:])
+    startup.exit_now(0)
