@@ -24,12 +24,12 @@ SLOW_DOCTESTS = ("keras_cnnpar/serving.py",)
 
 
 #: The test files that take longest, longest first (seconds summed over their tests, AMD EPYC with AVX2 only,
-#: 2026-12-05: 524, 298, 286, 274, 240, 197, 192, 183; the next 119). pytest-xdist hands files to its workers in
-#: collection order; started first, they no longer run on alone at the end while the other workers wait
-#: (alphabetically, the 524 s file came 26th of 28).
+#: 2026-12-05, a slow hour: 574, 328, 312, 265, 246, 211, 206, 196; the next 148). pytest-xdist hands files to its
+#: workers in collection order; started first, they no longer run on alone at the end while the other workers
+#: wait (alphabetically, the longest file came 26th of 28).
 LONGEST_FILES_FIRST = ("tests/test_strategies.py", "tests/test_async_ps.py", "tests/test_multi_worker.py",
-                       "tests/test_functional_corpus.py", "tests/test_any_order.py", "tests/test_tensor_parallel.py",
-                       "tests/test_async_path.py", "tests/test_accuracy.py")
+                       "tests/test_any_order.py", "tests/test_functional_corpus.py", "tests/test_async_path.py",
+                       "tests/test_accuracy.py", "tests/test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(items):
