@@ -666,9 +666,8 @@ def kaggle(out_dir, test_fraction, seed, force):
 
 
 def run():
-    """The ``cnnpar`` command: :func:`main`, without the libraries Keras imports for features the command line never
-    uses (``startup.skip_keras_extras``; matplotlib stays, for reports and plans)."""
-    startup.skip_keras_extras(keep=("matplotlib",))
+    """The ``cnnpar`` command: :func:`main`, ended by ``startup.exit_now`` (its commands import TensorFlow with
+    ``startup.quiet_start``)."""
     try:
         main()
     except SystemExit as done:  # click's way to end every command, with its exit status

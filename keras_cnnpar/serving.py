@@ -44,7 +44,7 @@ VERIFY_TIMEOUT_S = 180
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 
 #: Run in a fresh process: load the export with plain TensorFlow and apply its signature. It skips Keras's extras
-#: as ``startup.skip_keras_extras`` does, without importing this library: a worker's environment (TF_CONFIG)
+#: as ``startup.keras_extras_skipped`` does, without importing this library: a worker's environment (TF_CONFIG)
 #: would make the library join that worker's cluster at import.
 _VERIFY_SCRIPT = f"""
 import sys

@@ -16,8 +16,9 @@ False
 
 Keras imports scikit-learn, pandas and matplotlib at start-up when they are
 installed (mlxtend installs the first two), for features no process of ours
-uses; :func:`skip_keras_extras` makes those imports find nothing, in the
-processes the library starts and in the command line.
+uses; :func:`quiet_start` makes those imports find nothing while TensorFlow
+(and with it Keras) is imported, in the processes the library starts and in
+the command line, whose reports and plans import matplotlib themselves later.
 """
 
 import atexit
@@ -36,42 +37,45 @@ _CHATTER = re.compile(r"WARNING: All log messages before absl::InitializeLog|[IW
 #: What Keras imports at start-up when it is installed, for features no process of ours uses: its scikit-learn
 #: wrappers, pandas DataFrames as fit's input, matplotlib's pyplot for its image gallery. Importing TensorFlow
 #: (which imports Keras) took 7.7 and 8.1 s with them, 5.7 and 5.4 s without (wall time of
-#: ``python -c "import tensorflow"``, AMD Zen 4, 2 cores).
+#: ``python -c "import tensorflow"``, AMD Zen 4, 2 cores); matplotlib's share, 0.6 s (AMD EPYC, AVX2 only).
 KERAS_EXTRAS = ("sklearn", "pandas", "matplotlib")
 
 
-def skip_keras_extras(keep=()):
-    """Make this process's imports of ``KERAS_EXTRAS`` (but ``keep``) fail, as if they were not installed.
+@contextlib.contextmanager
+def keras_extras_skipped():
+    """Inside, imports of the ``KERAS_EXTRAS`` not imported yet fail, as if they were not installed; after it,
+    they import as usual.
 
-    Keras imports each of them inside ``try``/``except ImportError``. Call it
-    before Keras is imported, in a process that never uses them; once Keras
-    is imported it changes nothing, so a user's process that imported Keras
-    keeps all three.
+    Keras imports each of them inside ``try``/``except ImportError`` and does
+    without; so import Keras inside, in a process that never uses those
+    features of Keras's. Once Keras is imported it changes nothing, so a
+    user's process that imported Keras keeps all three.
 
     >>> import subprocess, sys
-    >>> code = ("from keras_cnnpar import startup; startup.skip_keras_extras(keep=['matplotlib'])\\n"
-    ...         "for name in startup.KERAS_EXTRAS:\\n"
-    ...         "    try: __import__(name); print(name, 'imported')\\n"
-    ...         "    except ImportError: print(name, 'skipped')")
+    >>> code = ("import sys\\nfrom keras_cnnpar import startup\\n"
+    ...         "with startup.keras_extras_skipped(): import keras\\n"
+    ...         "print(sorted(set(startup.KERAS_EXTRAS) & set(sys.modules)))\\n"
+    ...         "import matplotlib; print('matplotlib', matplotlib.__name__ in sys.modules)")
     >>> print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip())
-    sklearn skipped
-    pandas skipped
-    matplotlib imported
+    []
+    matplotlib True
     """
-    if "keras" in sys.modules:
-        return
-    for name in KERAS_EXTRAS:
-        if name not in keep:
-            sys.modules.setdefault(name, None)
+    skipped = [] if "keras" in sys.modules else [name for name in KERAS_EXTRAS if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(skipped))
+    try:
+        yield
+    finally:
+        for name in skipped:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def run_module(argv):
     """``python -m keras_cnnpar.startup MODULE ARGS...``: run ``MODULE`` as ``python -m MODULE ARGS...`` would,
-    with :func:`skip_keras_extras` and :func:`quiet_start` first (the server and coordinator processes the
+    with :func:`quiet_start` first (the server and coordinator processes the
     library starts: an AsyncPS coordinator's TensorFlow wrote 90 lines of start-up and server logs into the
     standard error of a user's script)."""
     module, *args = argv
-    skip_keras_extras()
     quiet_start()
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -104,13 +108,13 @@ def is_chatter(line):
 
 
 def quiet_start():
-    """Import TensorFlow and list its devices without start-up chatter (unless ``TF_CPP_MIN_LOG_LEVEL`` is set)."""
+    """Import TensorFlow, with :func:`keras_extras_skipped`, and list its devices without start-up chatter (unless
+    ``TF_CPP_MIN_LOG_LEVEL`` is set): a process of the library's own, or the command line's."""
     if "tensorflow" in sys.modules:
         return
-    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
-        return
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"  # later info and warning lines, once logging is set up
-    with _standard_error_filtered():
+    chatter_shown = "TF_CPP_MIN_LOG_LEVEL" in os.environ
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # later info and warning lines, once logging is set up
+    with keras_extras_skipped(), contextlib.nullcontext() if chatter_shown else _standard_error_filtered():
         import tensorflow as tf
 
         tf.config.list_physical_devices()  # probes CUDA, which is when the cuInit line comes

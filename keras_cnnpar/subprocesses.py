@@ -18,7 +18,7 @@ def python_command(*args):
 
 def library_command(module, *args):
     """The command that runs the library's ``module`` as ``python -m module args`` would, without the libraries
-    Keras imports for features it never uses (``startup.skip_keras_extras``): a server or a coordinator."""
+    Keras imports for features it never uses (``startup.quiet_start``): a server or a coordinator."""
     return python_command("-m", "keras_cnnpar.startup", module, *args)
 
 
