@@ -130,9 +130,9 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     --workers N, N worker processes run this same command; only the chief
     (worker 0) writes files, and any worker's failure fails the command.
     """
-    _quiet_tensorflow()
     if workers is not None and strategy_name == "multi-worker" and not cluster_lib.cluster_in_environment():
-        return _launch_workers(workers)  # before TensorFlow starts: the launcher only waits on its workers
+        return _launch_workers(workers)  # without TensorFlow: the launcher only waits on its workers
+    _quiet_tensorflow()
     from keras_cnnpar import strategies
 
     if workers is not None and strategy_name == "multi-worker":
@@ -630,7 +630,7 @@ def cluster_serve(spec_path, job, index):
     server listens on every interface of its host at its port and runs any graph
     sent to it, unauthenticated: use it on trusted networks only (docs/strategies.md).
     """
-    _quiet_tensorflow()
+    startup.quiet_start(keras=False)  # a server runs the graphs sent to it
     from keras_cnnpar import cluster, servers
 
     try:

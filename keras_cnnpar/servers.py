@@ -24,7 +24,7 @@ import click
 from keras_cnnpar import network, startup
 from keras_cnnpar.atomic import write_atomic
 from keras_cnnpar.cluster import local_spec, parse_json, parse_spec, read_json_file
-from keras_cnnpar.subprocesses import library_command
+from keras_cnnpar.subprocesses import python_command
 
 
 def start_servers(workers, ps, spec_path, *, timeout=60, tries=3):
@@ -86,9 +86,9 @@ def _start_checked_servers(workers, ps, timeout, spec_path):
                     output = files.enter_context(tempfile.TemporaryFile())  # shown if the server fails to start
                     outputs[job, index] = output
                     processes[job].append(subprocess.Popen(
-                        library_command("keras_cnnpar.servers", "--cluster-json", json.dumps(spec),
-                                        "--job", job, "--index", str(index), "--token", token,
-                                        "--starter", str(os.getpid())),
+                        python_command("-m", "keras_cnnpar.servers", "--cluster-json", json.dumps(spec),
+                                       "--job", job, "--index", str(index), "--token", token,
+                                       "--starter", str(os.getpid())),
                         stdout=output, stderr=subprocess.STDOUT, start_new_session=True))
             pids = {job: [p.pid for p in started] for job, started in processes.items()}
             config = {"cluster": spec, "pids": pids, "token": token,
@@ -277,7 +277,7 @@ def _check_own_address(address, task):
 @click.option("--starter", type=int, default=None, help="Die with this process until it sends SIGUSR1.")
 def main(cluster_json, job, index, token, starter):  # the token only marks the command line
     """Run the TensorFlow server of task JOB:INDEX until SIGTERM or SIGINT (a server process of start_servers)."""
-    startup.quiet_start()  # done already when started by startup.run_module; `python -m keras_cnnpar.servers` too
+    startup.quiet_start(keras=False)  # a server runs the graphs sent to it: no Keras in this process
     serve(parse_spec(parse_json(cluster_json, "--cluster-json")), job, index, starter=starter)
 
 

@@ -2,8 +2,8 @@
 
 >>> python_command("-m", "keras_cnnpar.cli", "--help")[1:]
 ['-P', '-m', 'keras_cnnpar.cli', '--help']
->>> library_command("keras_cnnpar.servers", "--help")[1:]
-['-P', '-m', 'keras_cnnpar.startup', 'keras_cnnpar.servers', '--help']
+>>> library_command("keras_cnnpar.strategies.async_remote", "FOLDER", "PID")[1:]
+['-P', '-m', 'keras_cnnpar.startup', 'keras_cnnpar.strategies.async_remote', 'FOLDER', 'PID']
 """
 
 import shutil
@@ -18,7 +18,7 @@ def python_command(*args):
 
 def library_command(module, *args):
     """The command that runs the library's ``module`` as ``python -m module args`` would, without the libraries
-    Keras imports for features it never uses (``startup.quiet_start``): a server or a coordinator."""
+    Keras imports for features it never uses (``startup.quiet_start``): an AsyncPS coordinator."""
     return python_command("-m", "keras_cnnpar.startup", module, *args)
 
 

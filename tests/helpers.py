@@ -297,6 +297,13 @@ def wait_for_file(path, process, timeout=120):
         time.sleep(0.2)
 
 
+def loads_tensorflow(pid):
+    """Whether process ``pid`` has TensorFlow's library mapped (it imported TensorFlow)."""
+    with contextlib.suppress(OSError):
+        return "_pywrap_tensorflow_internal" in Path(f"/proc/{pid}/maps").read_text()
+    return False
+
+
 def worker_pid(launcher, index):
     """The pid of local worker ``index`` started by the launcher process (directly or through its namespace)."""
     deadline = time.monotonic() + 30

@@ -25,7 +25,9 @@ from tests.helpers import (
     FLOORS,
     build_resnet_float64,
     build_small_cnn,
+    descendants,
     epoch_column,
+    loads_tensorflow,
     max_difference,
     processes,
     read_rows,
@@ -129,6 +131,9 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
                            *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     with processes([command], tmp_path, [ENV]) as (launcher,):
         wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 3 more (seconds) are to come
+        # Only the workers import TensorFlow: the launcher and its supervisor wait on them (it cost 5 CPU-s a run).
+        worker_pids = {worker_pid(launcher, 0), worker_pid(launcher, 1)}
+        assert {pid for pid in [launcher.pid, *descendants(launcher.pid)] if loads_tensorflow(pid)} == worker_pids
         os.kill(*((launcher.pid, signal.SIGHUP) if target == "launcher" else (worker_pid(launcher, 1),
                                                                           signal.SIGTERM)))
         output = launcher.communicate(timeout=120)[0]
