@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import data as data_lib
-from keras_cnnpar import runs, startup
+from keras_cnnpar import runs
 from keras_cnnpar.atomic import created_mode, write_atomic
 from keras_cnnpar.subprocesses import python_command
 
@@ -43,13 +43,12 @@ TOLERANCE = 1e-5
 VERIFY_TIMEOUT_S = 180
 WARMUP_FILE = Path("assets.extra") / "tf_serving_warmup_requests"
 
-#: Run in a fresh process: load the export with plain TensorFlow and apply its signature. It skips Keras's extras
-#: as ``startup.keras_extras_skipped`` does, without importing this library: a worker's environment (TF_CONFIG)
-#: would make the library join that worker's cluster at import.
-_VERIFY_SCRIPT = f"""
+#: Run in a fresh process: load the export with plain TensorFlow, without Keras (as TF Serving loads it; and
+#: 1.2 s less to import), and apply its signature. It does not import this library: a worker's environment
+#: (TF_CONFIG) would make the library join that worker's cluster at import.
+_VERIFY_SCRIPT = """
 import sys
-sys.modules.update(dict.fromkeys({startup.KERAS_EXTRAS!r}))
-import keras
+sys.modules["keras"] = None  # TensorFlow imports Keras inside try/except ImportError
 import numpy as np
 import tensorflow as tf
 export_dir, pixels_path, out_path = sys.argv[1:]
