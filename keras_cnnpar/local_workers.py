@@ -10,10 +10,12 @@ entry point, ``python -m keras_cnnpar.local_workers --workers N -- COMMAND``.
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import click
@@ -156,21 +158,35 @@ def _thread_share(workers):
 def _wait_for_failure(processes, poll_seconds, parent=None):
     """Wait until every process ended; return the index of the first that failed, or None.
 
-    When ``parent`` is given and is no longer this process's parent, every
-    process is killed and this process exits: its launcher is gone.
+    One thread per process waits for it, so "first" is the order in which they
+    ended: a worker killed outright, then its peer failing on the lost
+    connection a moment later, names the killed one (a poll every
+    ``poll_seconds`` that saw both gone named the lower index). When
+    ``parent`` is given and is no longer this process's parent, every process
+    is killed and this process exits: its launcher is gone.
     """
-    while True:
+    ended = queue.SimpleQueue()
+
+    def wait(index):
+        processes[index].wait()
+        ended.put(index)
+
+    for index in range(len(processes)):
+        threading.Thread(target=wait, args=(index,), daemon=True, name=f"wait-worker-{index}").start()
+    running = len(processes)
+    while running:
         if parent is not None and os.getppid() != parent:
             for process in processes:
                 process.kill()
             sys.exit(1)
-        codes = [p.poll() for p in processes]
-        failed = [i for i, code in enumerate(codes) if code not in (None, 0)]
-        if failed:
-            return failed[0]
-        if all(code == 0 for code in codes):
-            return None
-        time.sleep(poll_seconds)
+        try:
+            index = ended.get(timeout=poll_seconds)
+        except queue.Empty:
+            continue
+        running -= 1
+        if processes[index].returncode != 0:
+            return index
+    return None
 
 
 def _wait_all(processes, seconds):

@@ -283,6 +283,18 @@ def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_
     assert "Error: worker 1 was killed by SIGKILL; its last output:" in output
 
 
+def test_the_launcher_names_the_worker_that_ended_first_not_the_lowest_index():
+    """Worker 1 is killed; worker 0 fails on the lost connection 0.2 s later, within one poll of the launcher
+    (here 2 s). A poll that saw both gone named worker 0, whose error only echoes worker 1's death (it happened
+    once in the suite, under load)."""
+    started = time.monotonic()
+    workers = [subprocess.Popen(["sh", "-c", "sleep 0.5; exit 1"]),
+               subprocess.Popen(["sh", "-c", "sleep 0.3; kill -9 $$"])]
+    assert local_workers._wait_for_failure(workers, poll_seconds=2.0) == 1
+    assert time.monotonic() - started < 1.5  # told at the first failure, not at the next poll
+    assert [worker.wait() for worker in workers] == [1, -signal.SIGKILL]
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds. Received: timeout=0"),
     ({"checkpoint_dir": 7}, TypeError, "checkpoint_dir must be a folder path or None. Received: checkpoint_dir=7"),
