@@ -14,9 +14,9 @@ True
 >>> is_chatter("Traceback (most recent call last):")
 False
 
-Keras imports scikit-learn, pandas and matplotlib at start-up when they are
-installed (mlxtend installs the first two), for features no process of ours
-uses; :func:`quiet_start` makes those imports find nothing while TensorFlow
+Keras imports scikit-learn, pandas, matplotlib and IPython at start-up when
+they are installed (mlxtend installs the first two), for features no process
+of ours uses; :func:`quiet_start` makes those imports find nothing while TensorFlow
 (and with it Keras) is imported, in the processes the library starts and in
 the command line, whose reports and plans import matplotlib themselves later.
 """
@@ -35,10 +35,11 @@ _CHATTER = re.compile(r"WARNING: All log messages before absl::InitializeLog|[IW
 
 
 #: What Keras imports at start-up when it is installed, for features no process of ours uses: its scikit-learn
-#: wrappers, pandas DataFrames as fit's input, matplotlib's pyplot for its image gallery. Importing TensorFlow
-#: (which imports Keras) took 7.7 and 8.1 s with them, 5.7 and 5.4 s without (wall time of
-#: ``python -c "import tensorflow"``, AMD Zen 4, 2 cores); matplotlib's share, 0.6 s (AMD EPYC, AVX2 only).
-KERAS_EXTRAS = ("sklearn", "pandas", "matplotlib")
+#: wrappers, pandas DataFrames as fit's input, matplotlib's pyplot for its image gallery, IPython for its file
+#: editor's notebook display. Importing TensorFlow (which imports Keras) took 7.7 and 8.1 s with the first three,
+#: 5.7 and 5.4 s without (wall time of ``python -c "import tensorflow"``, AMD Zen 4, 2 cores); matplotlib's share
+#: 0.6 s, IPython's 0.2-0.5 s (AMD EPYC, AVX2 only).
+KERAS_EXTRAS = ("sklearn", "pandas", "matplotlib", "IPython")
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def keras_extras_skipped():
     Keras imports each of them inside ``try``/``except ImportError`` and does
     without; so import Keras inside, in a process that never uses those
     features of Keras's. Once Keras is imported it changes nothing, so a
-    user's process that imported Keras keeps all three.
+    user's process that imported Keras keeps them all.
 
     >>> import subprocess, sys
     >>> code = ("import sys\\nfrom keras_cnnpar import startup\\n"
