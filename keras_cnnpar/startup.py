@@ -73,9 +73,8 @@ def keras_extras_skipped():
 
 def run_module(argv):
     """``python -m keras_cnnpar.startup MODULE ARGS...``: run ``MODULE`` as ``python -m MODULE ARGS...`` would,
-    with :func:`quiet_start` first (the server and coordinator processes the
-    library starts: an AsyncPS coordinator's TensorFlow wrote 90 lines of start-up and server logs into the
-    standard error of a user's script)."""
+    with :func:`quiet_start` first (the AsyncPS coordinator processes the library starts: a coordinator's
+    TensorFlow wrote 90 lines of start-up and server logs into the standard error of a user's script)."""
     module, *args = argv
     quiet_start()
     sys.argv = [module, *args]
