@@ -110,10 +110,11 @@ def test_the_plan_runs_each_strategy_on_the_device_counts_it_declares():
         ["--workers", "4"]]
 
 
-def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started():
+def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started(tmp_path):
     started = time.monotonic()
+    # Results in the test's folder: since the launcher starts its workers at once, they write there within 8 s.
     code, tail = experiments.run_config(experiments.Config("2+2", "multi-worker", 2), epochs=1, batch_size=64,
-                                        source="mnist-5k", results_dir="unused", timeout=8)
+                                        source="mnist-5k", results_dir=str(tmp_path / "results"), timeout=8)
     assert (code, tail) == (-1, "timed out after 8 s")
     assert time.monotonic() - started < 8 + 20
     deadline = time.monotonic() + 10
