@@ -227,9 +227,20 @@ def operations_on_tensors(x):
     return L.Dense(10)(L.GlobalAveragePooling2D()(x)) + 1.0
 
 
+def convolutional_head(x):
+    """MobileNetV3's head: global pooling with ``keepdims``, 1x1 convolutions as the classifier, and a Flatten of
+    the logits' 1x1 map (sharded channels under Hybrid) with no Dense after it, then a linear Activation. The
+    mesh folded that Flatten into a Dense that never came: the model's output kept its 1x1 map, and Keras's
+    loss refused the step (``Argument `output` must have rank (ndim) `target.ndim - 1```)."""
+    x = L.Conv2D(8, 3, strides=2, padding="same", activation="relu")(x)
+    x = L.Activation("hard_swish")(L.Conv2D(16, 1)(L.GlobalAveragePooling2D(keepdims=True)(x)))
+    x = L.Conv2D(10, 1)(L.Dropout(0.0)(x))
+    return L.Activation("linear")(L.Flatten()(x))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
           squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled,
-          transposed, group_normalized, operations_on_tensors]
+          transposed, group_normalized, operations_on_tensors, convolutional_head]
 
 
 @functools.cache

@@ -26,10 +26,12 @@ called on tensors: ``a + b``, ``keras.ops.relu(x)``) takes the layout of its inp
 over the batch if any is, else sharded if any is, and re-lays the others out to
 it (cutting a whole tensor needs no communication); ``Concatenate`` of tensors
 split over the batch stays split, else it gathers its inputs' channels. A
-``Flatten`` of sharded channels (on a mesh with ``"batch"``) is folded into the
-``Dense`` after it, which then holds its kernel as ``(h, w, c, units)`` sharded
-on ``c``. Where the shards do not divide a batch, a tensor split over the batch
-is whole on every device. The output of the model always has whole channels.
+``Flatten`` of sharded channels (on a mesh with ``"batch"``) that only Dense
+layers read (directly, or through dropout and activations) is folded into them,
+and each holds its kernel as ``(h, w, c, units)`` sharded on ``c``; any other
+``Flatten`` (the model's output, say) gathers the channels and reshapes. Where
+the shards do not divide a batch, a tensor split over the batch is whole on
+every device. The output of the model always has whole channels.
 Every layer's output is pinned to its layout (``dtensor.relayout``): left to
 DTensor's layout propagation, a sharded layout reached the moments of a
 BatchNormalization on whole channels, and the step failed.
@@ -191,12 +193,16 @@ class Cropping(tf.Module):
 
 
 class Flatten(tf.Module):
-    """``Flatten`` of whole channels (a reshape); a ``Flatten`` of sharded channels is folded into the next Dense."""
+    """``Flatten`` as a reshape, of channels gathered whole first where they are ``sharded`` (one that only Dense
+    layers read is folded into them instead: :func:`folded_flattens`)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, mesh, sharded=False):
         super().__init__(name=module_name(layer.name))
+        self.mesh, self.sharded = mesh, sharded
 
     def __call__(self, x, training=False):
+        if self.sharded:
+            x = dtensor.relayout(x, activation_layout(self.mesh, x.shape))
         return tf.reshape(x, [-1, math.prod(x.shape[1:])])
 
 
@@ -360,13 +366,14 @@ def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
     return "row" if input_sharded or model_output or mixes_channels(layer) else "column"
 
 
-def output_tensor(layer, inputs, batch_axis=False, model_output=False):
+def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=False):
     """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
     rule of the module docstring, without a mesh (``batch_axis``: whether the mesh has a ``"batch"`` axis;
-    ``model_output``: whether it is the model's output). A Conv2D on a mesh without ``"batch"`` leaves its
-    output split over the batch; a Dense, or a Conv2D on a mesh with ``"batch"``, in column mode shards its
-    output's channels, in row mode returns them whole; a merge or ``Concatenate`` is split over the batch if any
-    input is, else a merge is sharded if any input is."""
+    ``model_output``: whether it is the model's output; ``folds``: whether only Dense layers read it, see
+    :func:`folded_flattens`). A Conv2D on a mesh without ``"batch"`` leaves its output split over the batch; a
+    Dense, or a Conv2D on a mesh with ``"batch"``, in column mode shards its output's channels, in row mode
+    returns them whole; a merge or ``Concatenate`` is split over the batch if any input is, else a merge is
+    sharded if any input is."""
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     batch_split = any(t.batch_split for t in inputs)
@@ -385,7 +392,8 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False):
     if kind == "Concatenate":
         return _Tensor(False, None, differentiable, batch_split)
     if kind == "Flatten" and first.sharded:
-        return _Tensor(True, tuple(layer.input.shape[1:]), differentiable)
+        return _Tensor(True, tuple(layer.input.shape[1:]), differentiable) if folds else \
+            _Tensor(False, None, differentiable)
     return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable, first.batch_split)
 
 
@@ -415,13 +423,42 @@ def channel_layouts(model, batch_axis=False):
     [False, True, True]
     """
     input_key, calls, output_key = layer_graph(model)
-    tensors, layouts = {input_key: _Tensor(False, None, False)}, {}
+    tensors, layouts, folded = {input_key: _Tensor(False, None, False)}, {}, folded_flattens(calls, output_key)
     for layer, inputs, output in calls:
-        tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key)
+        tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key,
+                                        output in folded)
         first, out = tensors[inputs[0]], tensors[output]
         layouts[layer.name] = ChannelLayout(first.sharded, out.sharded, first.differentiable, first.batch_split,
                                             out.batch_split)
     return layouts
+
+
+def folded_flattens(calls, output_key):
+    """The output keys of the ``Flatten`` calls among ``calls`` whose output only Dense layers read, directly or
+    through dropout and activations that keep the channels apart: a Flatten of sharded channels there is folded
+    into those Dense layers (their kernels held as ``(h, w, c, units)``).
+
+    >>> inputs = keras.Input((4, 4, 8))
+    >>> features = keras.layers.Flatten(name="into_dense")(inputs)
+    >>> head = keras.layers.Dense(10)(keras.layers.Dropout(0.5)(features))
+    >>> logits = keras.layers.Flatten(name="at_the_output")(keras.layers.Reshape((1, 1, 10))(head))
+    >>> read = layer_graph(keras.Model(inputs, logits))
+    >>> [call.layer.name for call in read.calls if call.output in folded_flattens(read.calls, read.output)]
+    ['into_dense']
+    """
+    readers = collections.defaultdict(list)
+    for call in calls:
+        for key in call.inputs:
+            readers[key].append(call)
+
+    def only_dense_reads(key):
+        return key != output_key and bool(readers[key]) and all(
+            type(call.layer).__name__ == "Dense" or (
+                type(call.layer).__name__ in ("Dropout", *ELEMENTWISE) and not graph.is_operation(call.layer)
+                and not mixes_channels(call.layer) and only_dense_reads(call.output))
+            for call in readers[key])
+
+    return {call.output for call in calls if type(call.layer).__name__ == "Flatten" and only_dense_reads(call.output)}
 
 
 def host_prefix(calls, input_key):
@@ -514,10 +551,11 @@ class ShardedModel(tf.Module):
         self._preprocess = {training: tf.function(functools.partial(self._run_preprocessing, training=training),
                                                  autograph=False)
                             for training in (False, True)}
-        tensors = {self.input_key: _Tensor(False, None, False)}
+        tensors, folded = {self.input_key: _Tensor(False, None, False)}, folded_flattens(calls, self.output_key)
         self.nodes, converted = [], {}
         for index, (layer, inputs, output) in enumerate(calls):
-            op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output)
+            op, tensors[output] = self._convert(layer, index, [tensors[key] for key in inputs], output,
+                                                output in folded)
             self.nodes.append(_Node(op, inputs, output, tensors[output], getattr(layer, "activity_regularizer", None)))
             converted[id(layer)] = op
         #: The modules with weights, in the Keras model's weight order.
@@ -529,8 +567,9 @@ class ShardedModel(tf.Module):
             if hasattr(module, "compute_dtype") and module not in output_layer:
                 module.compute_dtype = tf.as_dtype(compute_dtype)
 
-    def _convert(self, layer, index, inputs, output_key):
-        """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output."""
+    def _convert(self, layer, index, inputs, output_key, folds):
+        """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output (``folds``:
+        a Flatten that only Dense layers read)."""
         kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
         if graph.is_operation(layer):  # an element-wise one (layer_graph checked)
             output = output_tensor(layer, inputs, batch_axis)
@@ -540,10 +579,7 @@ class ShardedModel(tf.Module):
                              f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
                              f"without weights (augmentation such as RandomFlip, which runs on the host). "
                              f"Received: layer={layer.name!r} ({kind})")
-        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, output_key == self.output_key)
-        if first.folded is not None and kind not in ("Dense", "Dropout", *ELEMENTWISE):
-            raise ValueError(f"channel sharding folds a Flatten of sharded channels into the Dense after it; layer "
-                             f"{layer.name!r} ({kind}) takes that Flatten's output. Received: layer={layer.name!r}")
+        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, output_key == self.output_key, folds)
         mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output_key == self.output_key)
         if kind in CONVOLUTIONS:
             op = ChannelShardedConv2D(layer, self.mesh, mode) if kind == "Conv2D" else \
@@ -568,8 +604,8 @@ class ShardedModel(tf.Module):
             op = Merge(layer, self.mesh, output.sharded, output.batch_split)
         elif kind == "Concatenate":
             op = Concatenate(layer, self.mesh, output.batch_split)
-        elif kind == "Flatten" and first.sharded:
-            op = None  # folded into the Dense after it
+        elif kind == "Flatten" and output.folded is not None:
+            op = None  # folded into the Dense layers that read it
         else:
             op = self._pass_through(layer, kind, index, first)
         return op, output
@@ -587,7 +623,7 @@ class ShardedModel(tf.Module):
         if kind == "UpSampling2D":
             return UpSampling(layer)
         if kind == "Flatten":
-            return Flatten(layer)
+            return Flatten(layer, self.mesh, first.sharded)
         if kind in ("Dropout", "SpatialDropout2D"):
             return Dropout(layer, self.step, index)
         if kind == "Reshape":
