@@ -80,8 +80,8 @@ def main():
         for alias in args.strategies.split(","):
             try:
                 model = after_one_step(original, STRATEGIES[alias](), x, y)
-            except ValueError as refusal:
-                print(f"{name:17s} {alias:9s} refused: {refusal}", flush=True)
+            except (ValueError, TypeError) as error:  # a refusal names the layer; anything else is a defect
+                print(f"{name:17s} {alias:9s} {type(error).__name__}: {error}", flush=True)
                 continue
             difference, path = largest_difference(weights(model), expected)
             verdict = "ok" if difference <= TARGET * step else "DIFFERS"

@@ -9,8 +9,9 @@ blocks (Normalization, squeeze and excitation); separable convolutions;
 ConvNeXt's LayerNormalization; GroupNormalization, UnitNormalization and
 ActivityRegularization; element-wise operations called on tensors (``a + b``,
 ``keras.ops.relu``); global pooling with and without ``keepdims``;
-Dense layers on every pixel's channels; Dense logits without a softmax; weight
-and activity regularizers (in float32); weight constraints. One SGD step under
+Dense layers on every pixel's channels; Dense logits without a softmax, and
+1x1 convolutions as logits, flattened (MobileNetV3's head); weight and activity
+regularizers (in float32); weight constraints. One SGD step under
 ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's weights,
 BatchNormalization's moving statistics included: within 1e-9 in float64 (the
 same arithmetic, summed in another order) and 1e-4 in float32.
