@@ -33,7 +33,7 @@ import keras
 import numpy as np
 
 from keras_cnnpar.sharded.layers import formulation, same_padding
-from keras_cnnpar.sharded.model import channel_layouts, sharded_mode
+from keras_cnnpar.sharded.model import channel_layouts
 
 #: Layers whose weights the tensor-parallel strategies shard over the "model" axis.
 SHARDED_LAYERS = (keras.layers.Conv2D, keras.layers.Dense)
@@ -48,11 +48,13 @@ def estimate(model, strategy, batch_size, precision="float32"):
     weights = _bytes(model.weights)
     trainable = _bytes(model.trainable_weights)
     slots = _slot_bytes(model)
+    data = getattr(strategy, "data", 1)
+    shards, batch_axis = devices // data, data > 1  # the mesh's, under channels and hybrid
     if alias in ("channels", "hybrid"):
-        model_axis = devices // getattr(strategy, "data", 1)
+        modes = {name: layout.mode for name, layout in channel_layouts(model, batch_axis, shards).items()}
         sharded = _bytes([w for layer in model._flatten_layers(include_self=False) if isinstance(layer, SHARDED_LAYERS)
-                          for w in layer.weights])
-        share = (weights - sharded * (1 - 1 / model_axis)) / weights if weights else 1.0
+                          and modes.get(layer.name) != "whole" for w in layer.weights])
+        share = (weights - sharded * (1 - 1 / shards)) / weights if weights else 1.0
         parts = {"weights": weights * share, "gradients": trainable * share, "optimizer": slots * share}
     elif alias == "layers":
         parts = {"weights": weights / devices, "gradients": trainable / devices, "optimizer": slots / devices}
@@ -62,8 +64,6 @@ def estimate(model, strategy, batch_size, precision="float32"):
         parts = {"weights": weights, "gradients": trainable, "optimizer": slots}
     itemsize = 2 if precision.startswith("mixed") else 4
     if alias in ("channels", "hybrid"):
-        data = getattr(strategy, "data", 1)
-        shards, batch_axis = devices // data, data > 1
         values, per_device_batch = channel_sharded_values(model, shards, batch_axis), batch_size / data
         largest = largest_output_values(model, channel_shares(model, shards, batch_axis))
     else:
@@ -145,7 +145,7 @@ def channel_shares(model, shards, batch_axis=False):
     >>> [shares[layer.name] for layer in model.layers]
     [2, 2, 2, 2, 2, 1, 1, 1]
     """
-    return _shares(channel_layouts(model, batch_axis), shards)
+    return _shares(channel_layouts(model, batch_axis, shards), shards)
 
 
 def _shares(layouts, shards):
@@ -176,7 +176,7 @@ def channel_sharded_values(model, shards, batch_axis=False):
     >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
     0.51
     """
-    layouts = channel_layouts(model, batch_axis)  # the model's input layer is not in it: its images are whole
+    layouts = channel_layouts(model, batch_axis, shards)  # the model's input layer is not in it: its images are whole
     shares = _shares(layouts, shards)
     kept = collections.Counter()
     for layer, tensor in _kept_tensors(model):
@@ -198,7 +198,7 @@ def _convolution_buffers(layer, node, layout, shards, batch_axis):
     _, height, width, channels = node.input_tensors[0].shape
     (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
     padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
-    mode = sharded_mode(layer, layout.input_sharded, batch_axis)
+    mode = layout.mode
     form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
     padded_inside = layer.padding == "same" or not top + bottom + left + right
     if form == "split batch" and layout.input_batch_split and padded_inside:

@@ -10,8 +10,9 @@ ConvNeXt's LayerNormalization; GroupNormalization, UnitNormalization and
 ActivityRegularization; element-wise operations called on tensors (``a + b``,
 ``keras.ops.relu``); global pooling with and without ``keepdims``;
 Dense layers on every pixel's channels; Dense logits without a softmax, and
-1x1 convolutions as logits, flattened (MobileNetV3's head); weight and activity
-regularizers (in float32); weight constraints. One SGD step under
+1x1 convolutions as logits, flattened (MobileNetV3's head); channel counts the
+shards do not divide; weight and activity regularizers (in float32); weight
+constraints. One SGD step under
 ``ChannelSharded(2)`` and ``Hybrid(2, 2)`` must give Single's weights,
 BatchNormalization's moving statistics included: within 1e-9 in float64 (the
 same arithmetic, summed in another order) and 1e-4 in float32.
@@ -239,9 +240,23 @@ def convolutional_head(x):
     return L.Activation("linear")(L.Flatten()(x))
 
 
+def odd_channels(x):
+    """Channel counts two shards do not divide (NASNetMobile's separable convolutions of 11 channels, an
+    autoencoder's last convolution of 1 or 3): each such layer runs whole on every device. A transposed
+    convolution from sharded channels to 3, BN on them, a strided separable convolution to 11, an ``Add`` of two
+    convolutions to 5, a 1x1 convolution to 6 (sharded again under Hybrid) and one to 7 from them, a Dense of 15
+    units and the logits after it. The mesh refused the first of them ("has 3 output channels, which do not split
+    over 2 model shards")."""
+    x = L.Conv2DTranspose(3, 3, padding="same")(L.Conv2D(8, 3, padding="same", activation="relu")(x))
+    x = L.SeparableConv2D(11, 3, strides=2, padding="same", activation="relu")(L.BatchNormalization()(x))
+    x = L.Add()([L.Conv2D(5, 3, padding="same")(x), L.Conv2D(5, 1)(x)])
+    x = L.Conv2D(7, 3, activation="relu")(L.Conv2D(6, 1, activation="relu")(x))
+    return L.Dense(10)(L.Dense(15, activation="relu")(L.Flatten()(x)))
+
+
 CORPUS = [residual_strided, branches_averaged, normalized_images, subtracted, dense_block, inverted_residuals,
           squeeze_excited, separable, layer_normalized, per_pixel_dense, constrained, augmented, upsampled,
-          transposed, group_normalized, operations_on_tensors, convolutional_head]
+          transposed, group_normalized, operations_on_tensors, convolutional_head, odd_channels]
 
 
 @functools.cache

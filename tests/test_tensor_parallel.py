@@ -119,6 +119,32 @@ def test_a_binary_classifier_with_labels_of_shape_n_takes_single_s_step(loss, ba
 
 
 @pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
+def test_an_autoencoder_whose_output_is_a_one_channel_image_takes_single_s_step(strategy, batch):
+    """A convolutional autoencoder as Keras's examples write it: its last convolution has 1 output channel, which
+    no shard count divides, so it runs whole on every device, and the model's output is an image. The mesh
+    refused that convolution ("has 1 output channels, which do not split over 2 model shards"), and its step
+    returned the predictions laid out as a matrix ("requires matching rank for layout and input")."""
+    def trained(strategy):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(8, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2DTranspose(8, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2D(1, 3, padding="same", activation="sigmoid")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        initial = model.get_weights()
+        history = cnnpar.fit(model, batch[0], batch[0], strategy=strategy, batch_size=32, shuffle=False, verbose=0,
+                             results_dir=None)
+        return initial, model.get_weights(), history.history
+
+    initial, single, single_logs = trained("single")
+    _, sharded, sharded_logs = trained(strategy)
+    assert sharded_logs["loss"][0] == pytest.approx(single_logs["loss"][0], rel=1e-5)
+    assert sharded_logs["mae"][0] == pytest.approx(single_logs["mae"][0], rel=1e-5)
+    assert max_difference(single, initial) > 1e-3  # the steps moved the weights
+    assert max_difference(sharded, single) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", [cnnpar.ChannelSharded(2), cnnpar.Hybrid(data=2, model=2)], ids=repr)
 @pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "adam", "adam with a schedule", "adamw", "sgd with decay",
                                        "rmsprop", "rmsprop centered with momentum", "adagrad", "adamax", "lion",
                                        "momentum clipped by norm", "nesterov clipped by global norm",
@@ -244,14 +270,27 @@ def test_a_logits_layer_runs_in_row_mode_so_ten_classes_need_not_split_over_four
     assert max_difference(sharded.forward(x), model.predict(x, verbose=0)) < 1e-5
 
 
-def test_a_channel_count_that_does_not_split_names_the_layer_and_the_divisors():
+def test_a_layer_whose_channels_the_shards_do_not_divide_runs_whole_on_every_device():
+    """LeNet's 6 channels over 4 shards: the convolution keeps its kernel whole (its output split over the batch,
+    as every convolution's on this mesh); the Dense layers after it shard their input features (row mode)."""
+    keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(6, 3, name="conv"),
-                              keras.layers.Flatten(),
-                              keras.layers.Dense(10)])
+                              keras.layers.Flatten(), keras.layers.Dense(16), keras.layers.Dense(10)])
+    sharded = ShardedModel(model, mesh_of((4,)))
+    assert [layer.mode for layer in sharded.sharded_layers] == ["whole", "row", "row"]
+    assert dtensor.fetch_layout(sharded.sharded_layers[0].kernel).is_fully_replicated()
+    x = np.random.default_rng(0).random((8, 8, 8, 1), dtype="float32")
+    assert max_difference(sharded.forward(x), model.predict(x, verbose=0)) < 1e-5
+
+
+def test_a_sharded_layer_built_with_channels_its_shards_do_not_divide_names_them_and_the_divisors():
+    conv = keras.layers.Conv2D(6, 3, name="conv")
+    conv.build((None, 8, 8, 1))
     with pytest.raises(ValueError) as raised:
-        ShardedModel(model, mesh_of((4,)))
+        ChannelShardedConv2D(conv, mesh_of((4,)), mode="column")
     assert str(raised.value) == ("layer 'conv' (column mode) has 6 output channels, which do not split over 4 "
-                                 "model shards; shard counts that divide 6: [1, 2, 3, 6]. Received: model shards=4")
+                                 "model shards; shard counts that divide 6: [1, 2, 3, 6], or mode='whole'. "
+                                 "Received: model shards=4")
 
 
 def test_an_unsupported_layer_is_named_with_the_supported_ones():

@@ -49,7 +49,9 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 UNSHARDED = dtensor.UNSHARDED
-MODES = ("column", "row")
+#: Column mode shards the output channels, row mode the input channels; ``"whole"`` keeps the kernel whole on every
+#: device, for a layer whose channels the shards do not divide (``sharded.model.sharded_mode``).
+MODES = ("column", "row", "whole")
 #: Activations that mix the channels, so they run on whole channels.
 CHANNEL_MIXING = {"softmax", "log_softmax"}
 
@@ -227,13 +229,13 @@ class ShardedLayer(WeightedModule):
     def __init__(self, layer, mesh, mode, kernel_shape):
         super().__init__(layer)
         if mode not in MODES:
-            raise ValueError(f"mode must be 'column' or 'row'. Received: mode={mode!r}")
+            raise ValueError(f"mode must be one of {MODES}. Received: mode={mode!r}")
         self.mesh, self.mode = mesh, mode
         self.mixing = mixes_channels(layer)
         self.activation = layer.activation
         self.use_bias = layer.use_bias
         self._check_divisible(layer.name, kernel_shape)
-        sharded_axis = len(kernel_shape) - (1 if mode == "column" else 2)
+        sharded_axis = {"column": len(kernel_shape) - 1, "row": len(kernel_shape) - 2}.get(mode)
         self.kernel_layout = tuple("model" if axis == sharded_axis else UNSHARDED for axis in range(len(kernel_shape)))
         self.keras_shapes = [tuple(w.shape) for w in layer.get_weights()]
         dtype = layer.variable_dtype
@@ -251,14 +253,16 @@ class ShardedLayer(WeightedModule):
         self.batch_split_output = False
 
     def _check_divisible(self, name, kernel_shape):
+        if self.mode == "whole":
+            return
         shards = self.mesh.dim_size("model")
         channels = kernel_shape[-1] if self.mode == "column" else kernel_shape[-2]
         if channels % shards:
             side = "output" if self.mode == "column" else "input"
             raise ValueError(
                 f"layer {name!r} ({self.mode} mode) has {channels} {side} channels, which do not split over "
-                f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}. "
-                f"Received: model shards={shards}")
+                f"{shards} model shards; shard counts that divide {channels}: {divisors(channels)}, or "
+                f"mode='whole'. Received: model shards={shards}")
 
     def _mode_input(self, x):
         """``x`` with the channels this layer's mode takes: whole in column mode, sharded in row mode (cutting
@@ -292,7 +296,9 @@ class ChannelShardedConv2D(ShardedLayer):
     any layout where the convolution runs on a split batch; output sharded,
     or left split over the batch: ``batch_split_output``);
     ``mode="row"`` shards the input channels (input sharded, whole output
-    channels). The kernel stays sharded between steps; how a step
+    channels); ``mode="whole"`` keeps the kernel whole (channels the shards
+    do not divide), and its output channels whole, or split over the batch as
+    column mode's. The kernel stays sharded between steps; how a step
     computes the convolution is ``formulation``'s choice.
 
     Example:
@@ -311,7 +317,7 @@ class ChannelShardedConv2D(ShardedLayer):
         layer: the built ``keras.layers.Conv2D`` to copy (channels-last,
             no dilation, no groups).
         mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
-        mode: ``"column"`` or ``"row"``.
+        mode: ``"column"``, ``"row"`` or ``"whole"``.
     """
 
     def __init__(self, layer, mesh, mode="column"):
@@ -397,7 +403,8 @@ class ShardedDense(ShardedLayer):
     """A ``keras.layers.Dense`` whose kernel is sharded over the mesh's ``"model"`` axis.
 
     ``mode="column"`` shards the units, ``mode="row"`` the input features
-    (partial sums all-reduced). Its input may keep the spatial axes of a
+    (partial sums all-reduced), ``mode="whole"`` neither (units the shards do
+    not divide: kernel, input and output whole on every device). Its input may keep the spatial axes of a
     ``Flatten`` it absorbed (``input_shape=(h, w, c)``): the kernel is then held
     as ``(h, w, c, units)`` and sharded on ``c``, so channels sharded by the
     convolution before need no gather. ``get_weights`` returns Keras's
@@ -420,7 +427,7 @@ class ShardedDense(ShardedLayer):
     Args:
         layer: the built ``keras.layers.Dense`` to copy.
         mesh: a DTensor mesh with a ``"model"`` axis (and optionally ``"batch"``).
-        mode: ``"column"`` or ``"row"``.
+        mode: ``"column"``, ``"row"`` or ``"whole"``.
         input_shape: the shape of one example's input, when it is not the
             layer's own (a ``Flatten`` folded in).
     """
@@ -628,7 +635,8 @@ class ShardedConv2DTranspose(LayoutKeeping):
 
     DTensor runs ``Conv2DBackpropInput`` (the op of a transposed convolution)
     and the two ops of its gradient on a batch-parallel layout with a whole
-    filter, so sharded channels are gathered first and cut again after, as
+    filter, so sharded channels are gathered first and cut again after (whole
+    where the shards do not divide its filters), as
     :class:`ShardedDepthwiseConv2D` does, and a batch split over ``"model"``
     (``batch_split``) stays split; its kernel and bias stay whole on every
     device.
@@ -651,6 +659,9 @@ class ShardedConv2DTranspose(LayoutKeeping):
         super().__init__(layer)
         require_settings(layer, "ShardedConv2DTranspose", data_format="channels_last", dilation_rate=(1, 1))
         self.mesh, self.sharded, self.batch_split = mesh, channels_sharded, batch_split
+        #: Its output keeps sharded channels where its input's were and the shards divide its filters.
+        self.output_sharded = channels_sharded and not mixes_channels(layer) and \
+            layer.filters % mesh.dim_size("model") == 0
         self.strides, self.padding, self.output_padding = layer.strides, layer.padding, layer.output_padding
         self.activation = layer.activation
         self._mirror_weights(layer, channels_sharded=False)  # the kernel and the bias whole, as the op takes them
@@ -667,7 +678,7 @@ class ShardedConv2DTranspose(LayoutKeeping):
         if bias:
             y = y + bias[0]
         y = self.activation(y)
-        return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.sharded and not mixes_channels(self)))
+        return dtensor.relayout(y, activation_layout(self.mesh, y.shape, self.output_sharded))
 
 
 class ShardedNormalization(LayoutKeeping):
@@ -880,7 +891,7 @@ def formulation(mode, window, strides, padded_shape, shards, batch_axis=False):
     batch"`` (``conv_on_split_batch``, over ``"batch"``: the ``"model"`` devices of a replica compute the same
     convolution; DTensor shards a tensor axis over one mesh axis, so the batch cannot also go over
     ``"model"``); it measured 1.2-1.9x im2col's images/s for the 3+3 and the resnet under ``Hybrid(2, 2)``.
-    Without one: ``"split batch"`` (over ``"model"``) in column mode and for row-mode outputs larger than
+    Without one: ``"split batch"`` (over ``"model"``) in column (and whole) mode and for row-mode outputs larger than
     14x14 where the shards divide the batch, ``"filter gradient"`` (``conv_as_filter_gradient``) for
     row-mode, stride-1 outputs larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``).
 
@@ -893,7 +904,7 @@ def formulation(mode, window, strides, padded_shape, shards, batch_axis=False):
     area = ((padded_shape[1] - kh) // sh + 1) * ((padded_shape[2] - kw) // sw + 1)
     if batch_axis:
         return "split batch"
-    if padded_shape[0] % shards == 0 and (mode == "column" or area > 14 * 14):
+    if padded_shape[0] % shards == 0 and (mode != "row" or area > 14 * 14):
         return "split batch"
     if mode == "row" and tuple(strides) == (1, 1) and area > 7 * 7:
         return "filter gradient"

@@ -16,7 +16,10 @@ activations, merges) need no communication. On a mesh with a ``"batch"`` axis,
 and for Dense layers, a layer whose input is sharded (or split over the batch)
 runs in row mode, else in column mode, so a chain alternates column and row as
 Megatron pairs its layers; a Dense whose output is gathered anyway (a softmax,
-the model's output) runs in row mode, so its units need not split.
+the model's output) runs in row mode, so its units need not split. A layer
+whose channels in its mode the shards do not divide (a convolution of 6 or 1
+output channels over 4 or 2 shards, say) runs in ``"whole"`` mode: its kernel
+whole on every device, its input and output channels whole.
 BatchNormalization, LayerNormalization, RMSNormalization, Normalization,
 DepthwiseConv2D, Conv2DTranspose, pooling, padding, cropping, upsampling,
 dropout, ``Flatten``, a ``Reshape`` of axes of size 1 and activations keep the
@@ -351,29 +354,38 @@ class _Node(typing.NamedTuple):
     activity_regularizer: object = None
 
 
-def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False):
-    """The mode of a Conv2D or Dense ``layer`` whose input channels are sharded or not, on a mesh with a
-    ``"batch"`` axis or not, as the model's output or not: the rule of the module docstring.
+def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False, shards=2):
+    """The mode of a built Conv2D, SeparableConv2D or Dense ``layer`` whose input channels are sharded or not, on
+    a mesh with a ``"batch"`` axis or not, as the model's output or not, over ``shards`` model shards: the rule
+    of the module docstring, and ``"whole"`` where the shards do not divide the channels that mode would shard.
 
     >>> conv, logits = keras.layers.Conv2D(8, 3), keras.layers.Dense(10, activation="softmax")
+    >>> conv.build((None, 9, 9, 4)), logits.build((None, 6))
+    (None, None)
     >>> sharded_mode(conv, input_sharded=True), sharded_mode(conv, input_sharded=True, batch_axis=True)
     ('column', 'row')
     >>> sharded_mode(logits, input_sharded=False)  # its output is gathered anyway: 10 units need not split
     'row'
+    >>> sharded_mode(conv, input_sharded=False, shards=3), sharded_mode(logits, input_sharded=False, shards=4)
+    ('whole', 'whole')
     """
-    if type(layer).__name__ in CONVOLUTIONS:
-        return "row" if input_sharded and batch_axis else "column"  # split batch (no "batch" axis) takes any layout
-    return "row" if input_sharded or model_output or mixes_channels(layer) else "column"
+    if type(layer).__name__ in CONVOLUTIONS:  # split batch (no "batch" axis) takes any layout
+        mode = "row" if input_sharded and batch_axis else "column"
+    else:
+        mode = "row" if input_sharded or model_output or mixes_channels(layer) else "column"
+    kernel = layer.pointwise_kernel if hasattr(layer, "pointwise_kernel") else layer.kernel
+    return mode if kernel.shape[-1 if mode == "column" else -2] % shards == 0 else "whole"
 
 
-def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=False):
+def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=False, shards=2):
     """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
     rule of the module docstring, without a mesh (``batch_axis``: whether the mesh has a ``"batch"`` axis;
     ``model_output``: whether it is the model's output; ``folds``: whether only Dense layers read it, see
-    :func:`folded_flattens`). A Conv2D on a mesh without ``"batch"`` leaves its output split over the batch; a
-    Dense, or a Conv2D on a mesh with ``"batch"``, in column mode shards its output's channels, in row mode
-    returns them whole; a merge or ``Concatenate`` is split over the batch if any input is, else a merge is
-    sharded if any input is."""
+    :func:`folded_flattens`; ``shards``: the mesh's model shards). A Conv2D on a mesh without ``"batch"`` leaves
+    its output split over the batch; a Dense, or a Conv2D on a mesh with ``"batch"``, in column mode shards its
+    output's channels, in row and whole mode returns them whole; a ``Conv2DTranspose`` of sharded channels shards
+    its output's where the shards divide its filters; a merge or ``Concatenate`` is split over the batch if any
+    input is, else a merge is sharded if any input is."""
     kind, first = type(layer).__name__, inputs[0]
     differentiable = any(t.differentiable for t in inputs)
     batch_split = any(t.batch_split for t in inputs)
@@ -382,9 +394,12 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=Fal
     if kind in CONVOLUTIONS and not batch_axis:
         return _Tensor(False, None, True, batch_split=True)
     if kind in (*CONVOLUTIONS, "Dense"):
-        column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output) == "column"
+        column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output, shards) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind in ("BatchNormalization", "LayerNormalization", "RMSNormalization", "DepthwiseConv2D", "Conv2DTranspose",
+    if kind == "Conv2DTranspose":
+        sharded = first.sharded and not mixes_channels(layer) and layer.filters % shards == 0
+        return _Tensor(sharded, None, True, first.batch_split)
+    if kind in ("BatchNormalization", "LayerNormalization", "RMSNormalization", "DepthwiseConv2D",
                 "Normalization"):  # the input's
         return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
     if kind == "GroupNormalization":  # on whole channels
@@ -399,19 +414,21 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=Fal
 
 class ChannelLayout(typing.NamedTuple):
     """A layer's place under channel sharding: whether the channels of its first input and of its output are
-    sharded, whether a gradient flows into its first input (something before it has weights), and whether its
-    first input and its output are split over the batch."""
+    sharded, whether a gradient flows into its first input (something before it has weights), whether its
+    first input and its output are split over the batch, and the mode of a Conv2D, SeparableConv2D or Dense
+    (:func:`sharded_mode`; None for other layers)."""
 
     input_sharded: bool
     output_sharded: bool
     input_gradient: bool
     input_batch_split: bool = False
     output_batch_split: bool = False
+    mode: str | None = None
 
 
-def channel_layouts(model, batch_axis=False):
+def channel_layouts(model, batch_axis=False, shards=2):
     """``{layer name: ChannelLayout}`` for every layer of ``model``: the layouts :class:`ShardedModel` gives on a
-    mesh with a ``"batch"`` axis or not (``batch_axis``), without a mesh.
+    mesh with a ``"batch"`` axis or not (``batch_axis``) and ``shards`` model shards, without a mesh.
 
     >>> from keras_cnnpar import models
     >>> layouts = channel_layouts(models.cnn("2+2"))  # conv, pool, conv, pool, flatten, dense, dropout, dense
@@ -421,15 +438,19 @@ def channel_layouts(model, batch_axis=False):
     [True, True, False, False, False, True, True, False]
     >>> [layout.input_gradient for layout in layouts.values()][:3]  # the first convolution reads the images
     [False, True, True]
+    >>> [layout.mode for layout in channel_layouts(models.cnn("2+2"), shards=3).values() if layout.mode]
+    ['whole', 'whole', 'whole', 'whole']
     """
     input_key, calls, output_key = layer_graph(model)
     tensors, layouts, folded = {input_key: _Tensor(False, None, False)}, {}, folded_flattens(calls, output_key)
     for layer, inputs, output in calls:
         tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key,
-                                        output in folded)
+                                        output in folded, shards)
         first, out = tensors[inputs[0]], tensors[output]
+        mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output == output_key, shards) \
+            if type(layer).__name__ in (*CONVOLUTIONS, "Dense") and not graph.is_operation(layer) else None
         layouts[layer.name] = ChannelLayout(first.sharded, out.sharded, first.differentiable, first.batch_split,
-                                            out.batch_split)
+                                            out.batch_split, mode)
     return layouts
 
 
@@ -570,7 +591,7 @@ class ShardedModel(tf.Module):
     def _convert(self, layer, index, inputs, output_key, folds):
         """The module that runs ``layer`` on tensors like ``inputs``, and what is known of its output (``folds``:
         a Flatten that only Dense layers read)."""
-        kind, batch_axis = type(layer).__name__, "batch" in self.mesh.dim_names
+        kind, batch_axis, shards = type(layer).__name__, "batch" in self.mesh.dim_names, self.mesh.dim_size("model")
         if graph.is_operation(layer):  # an element-wise one (layer_graph checked)
             output = output_tensor(layer, inputs, batch_axis)
             return Merge(layer, self.mesh, output.sharded, output.batch_split), output
@@ -579,8 +600,10 @@ class ShardedModel(tf.Module):
                              f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
                              f"without weights (augmentation such as RandomFlip, which runs on the host). "
                              f"Received: layer={layer.name!r} ({kind})")
-        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, output_key == self.output_key, folds)
-        mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output_key == self.output_key)
+        model_output = output_key == self.output_key
+        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, model_output, folds, shards)
+        if kind in (*CONVOLUTIONS, "Dense"):
+            mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output, shards)
         if kind in CONVOLUTIONS:
             op = ChannelShardedConv2D(layer, self.mesh, mode) if kind == "Conv2D" else \
                 ShardedSeparableConv2D(layer, self.mesh, mode, first.sharded)

@@ -256,7 +256,8 @@ def _steps(sharded, optimizer, loss_fn):
         y, sample_weight = (None if t is None else dtensor.relayout(t, activation_layout(mesh, t.shape))
                             for t in (y, sample_weight))
         loss = loss_fn(y, y_pred, sample_weight=sample_weight)
-        return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), y_pred
+        whole = dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, y_pred.shape.rank))  # for the metrics
+        return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), whole
 
     @tf.function(autograph=False)
     def train_step(x, y, sample_weight, learning_rate):
@@ -266,12 +267,11 @@ def _steps(sharded, optimizer, loss_fn):
         variables = sharded.trainable_weights
         gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, variables), variables)]
         optimizer.apply(gradients, variables, learning_rate)
-        return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
+        return loss, y_pred
 
     @tf.function(autograph=False)
     def test_step(x, y, sample_weight):
-        loss, y_pred = loss_and_predictions(x, y, sample_weight, False)
-        return loss, dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, 2))
+        return loss_and_predictions(x, y, sample_weight, False)
 
     if not sharded.constrained:
         return train_step, test_step
