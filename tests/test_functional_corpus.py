@@ -245,8 +245,8 @@ def odd_channels(x):
     autoencoder's last convolution of 1 or 3): each such layer runs whole on every device. A transposed
     convolution from sharded channels to 3, BN on them, a strided separable convolution to 11, an ``Add`` of two
     convolutions to 5, a 1x1 convolution to 6 (sharded again under Hybrid) and one to 7 from them, a Dense of 15
-    units and the logits after it. The mesh refused the first of them ("has 3 output channels, which do not split
-    over 2 model shards")."""
+    units and the logits after it. The mesh refused the separable convolution ("has 11 output channels, which do
+    not split over 2 model shards")."""
     x = L.Conv2DTranspose(3, 3, padding="same")(L.Conv2D(8, 3, padding="same", activation="relu")(x))
     x = L.SeparableConv2D(11, 3, strides=2, padding="same", activation="relu")(L.BatchNormalization()(x))
     x = L.Add()([L.Conv2D(5, 3, padding="same")(x), L.Conv2D(5, 1)(x)])
