@@ -635,8 +635,8 @@ class ShardedConv2DTranspose(LayoutKeeping):
 
     DTensor runs ``Conv2DBackpropInput`` (the op of a transposed convolution)
     and the two ops of its gradient on a batch-parallel layout with a whole
-    filter, so sharded channels are gathered first and cut again after (whole
-    where the shards do not divide its filters), as
+    filter, so sharded channels are gathered first (and its output's are cut
+    again where ``output_sharded``), as
     :class:`ShardedDepthwiseConv2D` does, and a batch split over ``"model"``
     (``batch_split``) stays split; its kernel and bias stay whole on every
     device.
@@ -655,13 +655,12 @@ class ShardedConv2DTranspose(LayoutKeeping):
     True
     """
 
-    def __init__(self, layer, mesh, channels_sharded=False, batch_split=False):
+    def __init__(self, layer, mesh, channels_sharded=False, batch_split=False, output_sharded=False):
         super().__init__(layer)
         require_settings(layer, "ShardedConv2DTranspose", data_format="channels_last", dilation_rate=(1, 1))
         self.mesh, self.sharded, self.batch_split = mesh, channels_sharded, batch_split
-        #: Its output keeps sharded channels where its input's were and the shards divide its filters.
-        self.output_sharded = channels_sharded and not mixes_channels(layer) and \
-            layer.filters % mesh.dim_size("model") == 0
+        #: Whether its output's channels are sharded (``sharded.model.output_tensor``'s rule), else whole.
+        self.output_sharded = output_sharded
         self.strides, self.padding, self.output_padding = layer.strides, layer.padding, layer.output_padding
         self.activation = layer.activation
         self._mirror_weights(layer, channels_sharded=False)  # the kernel and the bias whole, as the op takes them

@@ -377,6 +377,14 @@ def sharded_mode(layer, input_sharded, batch_axis=False, model_output=False, sha
     return mode if kernel.shape[-1 if mode == "column" else -2] % shards == 0 else "whole"
 
 
+def _mode(layer, first, batch_axis, model_output, shards):
+    """:func:`sharded_mode` of a Conv2D, SeparableConv2D or Dense ``layer`` whose first input is ``first`` (a
+    :class:`_Tensor`: split over the batch counts as sharded); None for any other layer."""
+    if graph.is_operation(layer) or type(layer).__name__ not in (*CONVOLUTIONS, "Dense"):
+        return None
+    return sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output, shards)
+
+
 def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=False, shards=2):
     """What is known of ``layer``'s output (a :class:`_Tensor`) given what is known of its ``inputs``: the layout
     rule of the module docstring, without a mesh (``batch_axis``: whether the mesh has a ``"batch"`` axis;
@@ -394,7 +402,7 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=Fal
     if kind in CONVOLUTIONS and not batch_axis:
         return _Tensor(False, None, True, batch_split=True)
     if kind in (*CONVOLUTIONS, "Dense"):
-        column = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output, shards) == "column"
+        column = _mode(layer, first, batch_axis, model_output, shards) == "column"
         return _Tensor(column and not mixes_channels(layer), None, True)
     if kind == "Conv2DTranspose":
         sharded = first.sharded and not mixes_channels(layer) and layer.filters % shards == 0
@@ -447,8 +455,7 @@ def channel_layouts(model, batch_axis=False, shards=2):
         tensors[output] = output_tensor(layer, [tensors[key] for key in inputs], batch_axis, output == output_key,
                                         output in folded, shards)
         first, out = tensors[inputs[0]], tensors[output]
-        mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, output == output_key, shards) \
-            if type(layer).__name__ in (*CONVOLUTIONS, "Dense") and not graph.is_operation(layer) else None
+        mode = _mode(layer, first, batch_axis, output == output_key, shards)
         layouts[layer.name] = ChannelLayout(first.sharded, out.sharded, first.differentiable, first.batch_split,
                                             out.batch_split, mode)
     return layouts
@@ -602,8 +609,7 @@ class ShardedModel(tf.Module):
                              f"Received: layer={layer.name!r} ({kind})")
         model_output = output_key == self.output_key
         first, output = inputs[0], output_tensor(layer, inputs, batch_axis, model_output, folds, shards)
-        if kind in (*CONVOLUTIONS, "Dense"):
-            mode = sharded_mode(layer, first.sharded or first.batch_split, batch_axis, model_output, shards)
+        mode = _mode(layer, first, batch_axis, model_output, shards)
         if kind in CONVOLUTIONS:
             op = ChannelShardedConv2D(layer, self.mesh, mode) if kind == "Conv2D" else \
                 ShardedSeparableConv2D(layer, self.mesh, mode, first.sharded)
@@ -616,7 +622,7 @@ class ShardedModel(tf.Module):
         elif kind == "DepthwiseConv2D":
             op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
         elif kind == "Conv2DTranspose":
-            op = ShardedConv2DTranspose(layer, self.mesh, first.sharded, first.batch_split)
+            op = ShardedConv2DTranspose(layer, self.mesh, first.sharded, first.batch_split, output.sharded)
         elif kind == "Normalization":
             op = ShardedNormalization(layer, self.mesh, first.sharded)
         elif kind in ("LayerNormalization", "RMSNormalization"):
