@@ -52,6 +52,18 @@ def flag(name, value):
     return value
 
 
+def momentum_or_none(name, value):
+    """``value`` if it is a number in [0, 1) (not a bool), or None.
+
+    >>> momentum_or_none("ema_momentum", 1)
+    Traceback (most recent call last):
+    ValueError: ema_momentum must be a number in [0, 1) or None. Received: ema_momentum=1
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1):
+        raise ValueError(f"{name} must be a number in [0, 1) or None. Received: {name}={value!r}")
+    return value
+
+
 def positive_seconds(name, value):
     """``value`` if it is a positive number of seconds (int or float, not a bool)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -201,6 +201,45 @@ def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():
     assert iterations == {"single": 32, "async": 32}
 
 
+class WeightsAfterEachStep(keras.callbacks.Callback):
+    """The model's weights after every training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.weights.append(self.model.get_weights())
+
+
+def test_validation_and_the_trained_model_read_the_moving_average_of_the_weights_after_the_warm_up():
+    """With one worker AsyncPS's updates are Keras's, one after another; the weights it validates and hands
+    back are their moving average: the weights themselves through the warm-up (2 updates here), then each
+    update moves the average by 1 - ema_momentum. Without the average the trained model held the last
+    update's weights, 1.1e-3 away from it here (the average: 1.5e-11); ``ema_momentum=None`` hands those back."""
+    digits = cnnpar.data.load()
+    x, y, validation = digits.x[:384], digits.y[:384], (digits.x[384:512], digits.y[384:512])
+    keras_fit = build_small_cnn(seed=0, learning_rate=0.05)
+    steps = WeightsAfterEachStep()
+    keras_fit.fit(x, y, batch_size=64, epochs=2, callbacks=[steps], shuffle=False, verbose=0)  # Keras's own
+    average = steps.weights[1]
+    for weights in steps.weights[2:]:
+        average = [0.5 * a + 0.5 * w for a, w in zip(average, weights)]
+    trained = {}
+    for momentum in (0.5, None):
+        model = build_small_cnn(seed=0, learning_rate=0.05)
+        strategy = cnnpar.AsyncPS(workers=1, steps_per_execution=1, warmup_steps=2, ema_momentum=momentum,
+                                  checkpoint_dir=None)
+        history = model.fit(x, y, batch_size=64, epochs=2, validation_data=validation, shuffle=False,
+                            strategy=strategy, results_dir=None, verbose=0)
+        trained[momentum] = model.get_weights()
+        assert history.history["val_loss"][-1] == pytest.approx(model.evaluate(*validation, verbose=0)[0], rel=1e-5)
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(trained[0.5], average))
+    last = max(float(np.max(np.abs(a - b))) for a, b in zip(trained[None], steps.weights[-1]))
+    apart = max(float(np.max(np.abs(a - b))) for a, b in zip(steps.weights[-1], average))
+    assert gap < 1e-6 and last < 1e-6 and apart > 5e-4, (gap, last, apart)
+
+
 class MaxSeen(keras.metrics.Metric):
     """A metric that does not add to its variable: the largest prediction seen."""
 

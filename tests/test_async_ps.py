@@ -77,8 +77,9 @@ def test_a_local_cluster_trains_the_resnet_to_single_s_floor(tmp_path):
     log = (tmp_path / "results" / "results.log").read_text()
     assert "layout async-ps: 2 workers, 1 parameter servers (local cluster)" in log
     # Adam: divided by 1 + staleness, not its square (SGD's, staleness_power's doctest).
-    assert "first 64 updates one group at a time; each gradient divided by (1 + its staleness); " \
-           "BatchNormalization statistics recomputed from 16 batches after each epoch" in log
+    assert "first 64 updates one group at a time; each gradient divided by (1 + its staleness); validated and " \
+           "returned: the weights' moving average (ema_momentum=0.95); BatchNormalization statistics recomputed " \
+           "from 16 batches after each epoch" in log
     assert "learning rate x1 (scale_lr=None)" in log  # the default keeps the rate (docs/strategies.md)
 
 
@@ -206,6 +207,7 @@ def test_an_unreachable_cluster_fails_within_the_timeout():
                                               "and a port in 1..65535. Received: chief[0]='10.0.0.1'"),
     ({"coordinator": 7000}, TypeError, "coordinator must be a 'host:port' string. Received: coordinator=7000"),
     ({"precise_bn": -1}, ValueError, "precise_bn must be an int of at least 0. Received: precise_bn=-1"),
+    ({"ema_momentum": 1.0}, ValueError, "ema_momentum must be a number in [0, 1) or None. Received: ema_momentum=1.0"),
 ])
 def test_async_ps_validates_its_arguments_before_connecting(monkeypatch, tmp_path, kwargs, error, message):
     monkeypatch.chdir(tmp_path)

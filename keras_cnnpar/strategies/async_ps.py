@@ -46,7 +46,11 @@ class AsyncPS(CheckpointedStrategy):
     SGD, which collapsed to chance in some seeds), and by ``1 + staleness``
     for optimizers that divide their steps by the gradients' running size
     (Adam and kin, :func:`staleness_power`), where the square starved 4
-    workers of progress. The learning
+    workers of progress. What validation measures, each epoch's weights and the
+    trained model are the weights' moving average over the updates since the
+    warm-up (``ema_momentum=0.95``, :class:`WeightAverage`; the workers train
+    on the weights themselves): with 4 workers the last update's weights swung
+    by 2-5 points of validation accuracy from epoch to epoch. The learning
     rate is kept (``scale_lr=None``): each update uses a whole batch, so there
     is no larger batch to scale for. docs/strategies.md has the measured
     effect on the three model kinds, seed by seed
@@ -116,6 +120,10 @@ class AsyncPS(CheckpointedStrategy):
             applies every gradient whole.
         warmup_steps: updates at the start of a run scheduled one group of
             ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
+        ema_momentum: the momentum of the moving average of the weights that
+            validation, each epoch's weights and the trained model are (default
+            0.95, as Keras's optimizer option of that name); None: the last
+            update's weights. An optimizer with ``use_ema=True`` keeps its own.
         steps_per_execution: training steps per scheduled function (default 8).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
         checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
@@ -136,8 +144,8 @@ class AsyncPS(CheckpointedStrategy):
     elastic = True
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
-                 warmup_steps=64, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints", resume=False,
-                 precise_bn=16):
+                 warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints",
+                 resume=False, precise_bn=16):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -150,12 +158,13 @@ class AsyncPS(CheckpointedStrategy):
         self.scale_lr = arguments.scale_lr(scale_lr)
         self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
         self.warmup_steps = arguments.non_negative_int("warmup_steps", warmup_steps)
+        self.ema_momentum = arguments.momentum_or_none("ema_momentum", ema_momentum)
         self.precise_bn = arguments.non_negative_int("precise_bn", precise_bn)
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
         self.coordinator_address = coordinator
         self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
-                         "staleness_aware": staleness_aware, "warmup_steps": warmup_steps,
+                         "staleness_aware": staleness_aware, "warmup_steps": warmup_steps, "ema_momentum": ema_momentum,
                          "steps_per_execution": steps_per_execution, "timeout": timeout,
                          "checkpoint_dir": self.checkpoint_dir, "precise_bn": precise_bn}
         if self.spec is not None:
@@ -269,6 +278,8 @@ class AsyncRun(base.Run):
                  + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
                  + (f"; each gradient divided by {_divisor_text(self.model.optimizer)}"
                     if strategy.staleness_aware else "")
+                 + (f"; validated and returned: the weights' moving average (ema_momentum={strategy.ema_momentum})"
+                    if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
@@ -335,11 +346,13 @@ class _AsyncLoop:
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
+        self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
         self._steps = self._traced_steps()  # traced at its first call
 
     def run_epoch(self, steps, batches):
         """Run ``steps`` steps on the workers, one for each batch of ``batches`` (one epoch's), in groups."""
         self.model.reset_metrics()
+        self.average.swap_out()
         epoch = _IndexedBatches(batches)
         iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
         applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
@@ -347,10 +360,11 @@ class _AsyncLoop:
         groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
         results = []
         while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
-            results.append(self._schedule(iterator, *groups.pop(0)))
+            results.append(self._schedule(iterator, *groups.pop(0), decay=0.0))  # nothing to average yet
             self.coordinator.join()
-        results += [self._schedule(iterator, *group) for group in groups]
+        results += [self._schedule(iterator, *group, decay=self.average.momentum) for group in groups]
         self.coordinator.join()
+        self.average.swap_in()
         applied = int(self.applied.numpy()) - applied_before
         # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
         # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
@@ -361,19 +375,19 @@ class _AsyncLoop:
                 "staleness_max": float(staleness.max()), "steps_applied": float(applied),
                 "lost_workers": float(len(network.unreachable(self.workers)))}
 
-    def _schedule(self, iterator, first, size):
-        """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker; return
-        their remote result."""
+    def _schedule(self, iterator, first, size, decay):
+        """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker, each
+        moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result."""
         return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
-                                                             tf.constant(size, tf.int32)))
+                                                             tf.constant(size, tf.int32), tf.constant(decay)))
 
     def _traced_steps(self):
         """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
         worker compiles one step's graph once (not a group-sized graph per size)."""
-        model, applied, tf_strategy = self.model, self.applied, self.tf_strategy
+        model, applied, tf_strategy, average = self.model, self.applied, self.tf_strategy, self.average
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
-        def one_step(batch):
+        def one_step(batch, decay):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             seen = applied.read_value()  # updates applied before this step reads the weights
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
@@ -388,6 +402,7 @@ class _AsyncLoop:
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
             model.optimizer.apply_gradients(zip(gradients, variables))
+            average.follow(decay)
             _add_metrics(model, x, y, y_pred, sample_weight)
             with tf.control_dependencies(gradients):
                 staleness = applied.assign_add(1) - 1 - seen
@@ -395,18 +410,78 @@ class _AsyncLoop:
             return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
 
         @tf.function(autograph=False)  # as Keras's own steps (do_not_convert): no conversion of the model's calls
-        def steps(iterator, first, size):
+        def steps(iterator, first, size, decay):
             epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
 
             def step(i, results):
                 batch = _IndexedBatches.batch(epoch, first + i)
-                return i + 1, results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch,)), tf.float32))
+                return i + 1, results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch, decay)), tf.float32))
 
             _, results = tf.while_loop(lambda i, _: i < size, step,
                                        (tf.constant(0), tf.TensorArray(tf.float32, size=size)))
             return results.stack()
 
         return steps
+
+
+class WeightAverage:
+    """An exponential moving average of a model's trainable weights, kept beside them on the parameter servers,
+    which validation, the per-epoch weights and the trained model read instead of the last update's weights.
+
+    Each step moves the average by ``1 - decay`` towards the weights it left
+    (``follow``; ``decay`` 0 during the warm-up, whose updates are sequential,
+    so the average starts as the weights where asynchrony starts). Between
+    epochs the model's variables hold the average (``swap_in``) and the
+    averages the trained weights, which ``swap_out`` puts back before training
+    goes on, as Keras's ``SwapEMAWeights`` callback swaps an optimizer's own
+    averages. ``momentum=None``, or an optimizer with ``use_ema=True`` (whose
+    averages Keras writes into the weights at the end), keeps no average here.
+    """
+
+    def __init__(self, tf_strategy, model, momentum):
+        keeps = self.kept(momentum, model.optimizer)
+        self.momentum = momentum if keeps else 0.0
+        self.variables = [variable.value for variable in model.trainable_variables] if keeps else []
+        self.averages, self.swapped = [], False
+        with tf_strategy.scope():
+            for variable in self.variables:
+                with tf_strategy.extended.colocate_vars_with(variable):
+                    self.averages.append(tf.Variable(variable.read_value(), trainable=False,
+                                                     name=f"average_{variable.name.split(':')[0]}"))
+        self._swap = tf.function(self._swapped_values, autograph=False)
+
+    @staticmethod
+    def kept(momentum, optimizer):
+        """Whether a run with ``ema_momentum=momentum`` keeps an average of the weights under ``optimizer``.
+
+        >>> [WeightAverage.kept(0.95, keras.optimizers.SGD(use_ema=ema)) for ema in (False, True)]
+        [True, False]
+        """
+        return momentum is not None and not getattr(optimizer, "use_ema", False)
+
+    def follow(self, decay):
+        """In a step, after its update: move the average by ``1 - decay`` towards the weights."""
+        for variable, average in zip(self.variables, self.averages):
+            rate = tf.cast(1.0 - decay, average.dtype)
+            average.assign_add(rate * (variable.read_value() - average.read_value()))
+
+    def swap_in(self):
+        """Put the average in the model's variables (the trained weights wait in its place)."""
+        if self.averages and not self.swapped:
+            self._swap()
+            self.swapped = True
+
+    def swap_out(self):
+        """Put the trained weights back in the model's variables, the average in its place."""
+        if self.swapped:
+            self._swap()
+            self.swapped = False
+
+    def _swapped_values(self):
+        trained = [variable.read_value() for variable in self.variables]
+        for variable, average, value in zip(self.variables, self.averages, trained):
+            variable.assign(average.read_value())
+            average.assign(value)
 
 
 def _add_metrics(model, x, y, y_pred, sample_weight=None):
