@@ -49,8 +49,10 @@ class AsyncPS(CheckpointedStrategy):
     workers of progress. What validation measures, each epoch's weights and the
     trained model are the weights' moving average over the updates since the
     warm-up (``ema_momentum=0.95``, :class:`WeightAverage`; the workers train
-    on the weights themselves): with 4 workers the last update's weights swung
-    by 2-5 points of validation accuracy from epoch to epoch. The learning
+    on the weights themselves): with 4 workers the last update's weights
+    carry the noise of the late steps (up to 3.4 points of validation
+    accuracy behind Single's after 3 epochs, 0.9-1.9 with the average in
+    most runs). The learning
     rate is kept (``scale_lr=None``): each update uses a whole batch, so there
     is no larger batch to scale for. docs/strategies.md has the measured
     effect on the three model kinds, seed by seed
