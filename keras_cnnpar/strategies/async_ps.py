@@ -462,7 +462,9 @@ class WeightAverage:
         return momentum is not None and not getattr(optimizer, "use_ema", False)
 
     def follow(self, decay):
-        """In a step, after its update: move the average by ``1 - decay`` towards the weights."""
+        """In a step, after its update: move the average by ``1 - decay`` towards the weights, in one
+        ``assign_add`` (``tf.train.ExponentialMovingAverage``'s lockless form: two workers that add at once may
+        both read the same average, and neither waits)."""
         for variable, average in zip(self.variables, self.averages):
             rate = tf.cast(1.0 - decay, average.dtype)
             average.assign_add(rate * (variable.read_value() - average.read_value()))
