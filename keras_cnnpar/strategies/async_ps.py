@@ -466,8 +466,9 @@ class WeightAverage:
         ``assign_add`` (``tf.train.ExponentialMovingAverage``'s lockless form: two workers that add at once may
         both read the same average, and neither waits)."""
         for variable, average in zip(self.variables, self.averages):
-            rate = tf.cast(1.0 - decay, average.dtype)
-            average.assign_add(rate * (variable.read_value() - average.read_value()))
+            with tf.device(average.device):  # on the parameter server, beside both: no weights cross the network
+                rate = tf.cast(1.0 - decay, average.dtype)
+                average.assign_add(rate * (variable.read_value() - average.read_value()))
 
     def swap_in(self):
         """Put the average in the model's variables (the trained weights wait in its place)."""
