@@ -1,16 +1,17 @@
 """AsyncPS against Single, seed by seed: validation accuracy of the three model kinds with the default options.
 
-For every model kind (2+2, 3+3, resnet), every seed and 2 and 4 workers (1 parameter server), the same model (same
-seed: same initial weights, same shuffles, same dropout masks) trains for ``--epochs`` epochs on the 4,000-image
-training part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then given the
-strategy (as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per model
-kind and worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's
+For every model kind (2+2, 3+3, resnet), every seed and 2 and 4 workers (``--workers``; 1 parameter server), the
+same model (same seed: same initial weights, same shuffles, same dropout masks) trains for ``--epochs`` epochs on
+the 4,000-image training part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then
+given the strategy (as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per
+model kind and worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's
 AsyncPS accuracy within 3 points of Single's for the same seed, and no run below 0.5. ``--repeats R`` trains every
 AsyncPS configuration R times per seed (Single's run is deterministic): with 4 workers on 2 cores the outcome
 depends on when each worker's steps land, and the same rule measured 1.6 and 9.2 points behind at worst in two runs
 (docs/benchmarks.md).
 
 Run: python benchmarks/async_robustness.py [--seeds 5] [--repeats 1] [--epochs 3] [--models 2+2,3+3,resnet]
+[--workers 2,4]
 """
 
 import argparse
@@ -23,8 +24,6 @@ import keras_cnnpar as cnnpar  # before TensorFlow starts: it turns oneDNN on wh
 print(cnnpar.hardware.describe(), flush=True)
 
 import keras  # noqa: E402
-
-WORKERS = (2, 4)
 
 
 def accuracy(kind, seed, strategy, epochs, train, validation):
@@ -41,10 +40,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=1, help="AsyncPS runs per seed and worker count")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--models", default="2+2,3+3,resnet")
+    parser.add_argument("--workers", default="2,4", help="the worker counts, comma-separated")
     args = parser.parse_args()
+    worker_counts = [int(count) for count in args.workers.split(",")]
     train, validation = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
     print(f"{len(train)} training images, batch 64, {args.epochs} epochs, 1 parameter server, default options")
-    print(f"{'model':7s} {'seed':>4s} {'single':>7s} " + " ".join(f"{f'async({w})':>9s}" for w in WORKERS))
+    print(f"{'model':7s} {'seed':>4s} {'single':>7s} " + " ".join(f"{f'async({w})':>9s}" for w in worker_counts))
     summary = []
     for kind in args.models.split(","):
         rows = []
@@ -52,11 +53,11 @@ def main():
             single = accuracy(kind, seed, cnnpar.Single(), args.epochs, train, validation)
             for _ in range(args.repeats):
                 asynchronous = [accuracy(kind, seed, cnnpar.AsyncPS(workers=w, ps=1, checkpoint_dir=None),
-                                         args.epochs, train, validation) for w in WORKERS]
+                                         args.epochs, train, validation) for w in worker_counts]
                 rows.append((single, asynchronous))
                 print(f"{kind:7s} {seed:4d} {single:7.3f} " + " ".join(f"{a:9.3f}" for a in asynchronous),
                       flush=True)
-        for index, workers in enumerate(WORKERS):
+        for index, workers in enumerate(worker_counts):
             values = [a[index] for _, a in rows]
             worst_gap = max(single - a[index] for single, a in rows)
             summary.append((kind, workers, min(values), max(values) - min(values), worst_gap))

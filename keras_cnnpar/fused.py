@@ -10,7 +10,10 @@ optimizer's own variables, in its order, so its state moves to and from the
 user's optimizer unchanged. The kernels run wherever the variable lives (on
 every replica under ``MirroredStrategy``, on the parameter servers under
 ``ParameterServerStrategy``); DTensor runs them on each device's shard of a
-DVariable, so the tensor-parallel mesh optimizer uses them too.
+DVariable, so the tensor-parallel mesh optimizer uses them too. Each kernel
+holds its variables' locks (``use_locking``): ``AsyncPS``'s workers apply to
+the same variables at once, and two unlocked updates interleave, so one
+update's decay of a slot is lost while both add its momentum to the weights.
 
 Optimizers, and the kernels they get:
 
@@ -100,7 +103,8 @@ def _adam(optimizer, index, var, grad, lr, dtype):
     lr = lr * second_moment_correction(optimizer.beta_2, dtype)
     arguments = {"var": var, "m": _handle(optimizer._momentums[index]), "v": _handle(optimizer._velocities[index]),
                  "beta1_power": tf.pow(beta_1, step), "beta2_power": tf.pow(beta_2, step), "lr": lr,
-                 "beta1": beta_1, "beta2": beta_2, "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad}
+                 "beta1": beta_1, "beta2": beta_2, "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad,
+                 "use_locking": True}
     if optimizer.amsgrad:
         return tf.raw_ops.ResourceApplyAdamWithAmsgrad(vhat=_handle(optimizer._velocity_hats[index]), **arguments)
     return tf.raw_ops.ResourceApplyAdam(**arguments)
@@ -124,16 +128,16 @@ def second_moment_correction(beta_2, dtype):
 
 def _sgd(optimizer, index, var, grad, lr, dtype):
     if not optimizer.momentum:
-        return tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
+        return tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad, use_locking=True)
     return tf.raw_ops.ResourceApplyKerasMomentum(
         var=var, accum=_handle(optimizer.momentums[index]), lr=lr, grad=grad,
-        momentum=tf.cast(optimizer.momentum, dtype), use_nesterov=optimizer.nesterov)
+        momentum=tf.cast(optimizer.momentum, dtype), use_nesterov=optimizer.nesterov, use_locking=True)
 
 
 def _rmsprop(optimizer, index, var, grad, lr, dtype):
     arguments = {"var": var, "ms": _handle(optimizer._velocities[index]), "mom": _handle(optimizer._momentums[index]),
                  "lr": lr, "rho": tf.cast(optimizer.rho, dtype), "momentum": tf.cast(optimizer.momentum, dtype),
-                 "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad}
+                 "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad, "use_locking": True}
     if optimizer.centered:
         return tf.raw_ops.ResourceApplyCenteredRMSProp(mg=_handle(optimizer._average_gradients[index]), **arguments)
     return tf.raw_ops.ResourceApplyRMSProp(**arguments)
@@ -145,7 +149,7 @@ def _adagrad(optimizer, index, var, grad, lr, dtype):
     shifted = accumulator.assign_add(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
     with tf.control_dependencies([shifted]):
         applied = tf.raw_ops.ResourceApplyAdagradV2(var=var, accum=accumulator.handle, lr=lr,
-                                                    epsilon=tf.zeros([], dtype), grad=grad)
+                                                    epsilon=tf.zeros([], dtype), grad=grad, use_locking=True)
     with tf.control_dependencies([applied]):
         return accumulator.assign_sub(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
 

@@ -118,3 +118,17 @@ def test_one_fused_step_under_a_strategy_matches_the_keras_update(strategy, few_
                    results_dir=None, fused_optimizer=fused_optimizer)
     step = max_weight_difference(models[True], build_small_cnn(seed=1))
     assert max_weight_difference(models[True], models[False]) <= 1e-5 * step
+
+
+@pytest.mark.parametrize("kind", ["adam", "adam-amsgrad", "sgd", "sgd-nesterov", "rmsprop-centered", "adagrad"])
+def test_every_fused_kernel_holds_its_variables_locks(kind):
+    """AsyncPS's workers apply to the same variables at once: unlocked, one update's slot decay gets lost."""
+    cls, config = OPTIMIZERS[kind]
+    optimizer = cls(**config)
+    assert fused.fuse(optimizer)
+    variables = [keras.Variable(np.zeros(shape, "float32")) for shape in SHAPES]
+    apply = tf.function(lambda grads: optimizer.apply(grads, variables))
+    graph = apply.get_concrete_function([tf.TensorSpec(shape, tf.float32) for shape in SHAPES]).graph
+    kernels = [op for op in graph.get_operations() if op.type.startswith("ResourceApply")]
+    assert len(kernels) == len(SHAPES), [op.type for op in graph.get_operations()]
+    assert [op.get_attr("use_locking") for op in kernels] == [True] * len(SHAPES)

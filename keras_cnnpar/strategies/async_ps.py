@@ -58,10 +58,11 @@ class AsyncPS(CheckpointedStrategy):
     effect on the three model kinds, seed by seed
     (``benchmarks/async_robustness.py``). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
-    other updates landed between a step reading the weights and its gradient
-    being ready to apply), and ``steps_applied`` (counted on the parameter
-    servers), ``lost_workers`` (workers that no longer answer at the epoch's
-    end; their unfinished steps ran again on the others). ``loss`` is the mean
+    other updates a step's gradient may have missed: those begun before it was
+    ready to apply that had not landed when it read the weights), and
+    ``steps_applied`` (counted on the parameter servers), ``lost_workers``
+    (workers that no longer answer at the epoch's end; their unfinished steps
+    ran again on the others). ``loss`` is the mean
     of the steps' losses weighted by their batch sizes, as Keras reports it.
     Smooth the loss curve (e.g. a moving average) before comparing it with a
     synchronous run.
@@ -348,6 +349,7 @@ class _AsyncLoop:
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
+            self.begun = tf.Variable(0, dtype=tf.int64, trainable=False, name="begun_updates")
         self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
         self._steps = self._traced_steps()  # traced at its first call
 
@@ -386,28 +388,30 @@ class _AsyncLoop:
     def _traced_steps(self):
         """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
         worker compiles one step's graph once (not a group-sized graph per size)."""
-        model, applied, tf_strategy, average = self.model, self.applied, self.tf_strategy, self.average
+        model, tf_strategy, average = self.model, self.tf_strategy, self.average
+        applied, begun = self.applied, self.begun
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
         def one_step(batch, decay):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            seen = applied.read_value()  # updates applied before this step reads the weights
+            seen = applied.read_value()  # updates that had landed: all are in the weights this step reads
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
                 scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
             variables = model.trainable_variables
             gradients = tape.gradient(scaled_loss, variables)
+            with tf.control_dependencies(gradients):  # the others' updates begun before it, landed after it read
+                staleness = begun.assign_add(1) - 1 - seen
             if power:
-                with tf.control_dependencies(gradients):  # 1 + the updates that landed since this step read
-                    late = tf.cast(applied.read_value() - seen + 1, gradients[0].dtype)
+                late = tf.cast(staleness + 1, gradients[0].dtype)
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
-            model.optimizer.apply_gradients(zip(gradients, variables))
-            average.follow(decay)
+            update = _ops_added_by(lambda: model.optimizer.apply_gradients(zip(gradients, variables)))
+            with tf.control_dependencies(update):
+                average.follow(decay)
+                applied.assign_add(1)  # only now: a step that reads the weights after this count finds the update
             _add_metrics(model, x, y, y_pred, sample_weight)
-            with tf.control_dependencies(gradients):
-                staleness = applied.assign_add(1) - 1 - seen
             examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
             return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
 
@@ -487,6 +491,29 @@ class WeightAverage:
         for variable, average, value in zip(self.variables, self.averages, trained):
             variable.assign(average.read_value())
             average.assign(value)
+
+
+def _ops_added_by(function):
+    """Call ``function`` in a ``tf.function`` being traced; return the stateful ops it added (an optimizer's
+    update), so that what must follow them can wait for them.
+
+    Automatic control dependencies do not order them: Keras's optimizer
+    updates a variable through a capture of its own, and an op that reads the
+    variable afterwards may run before the update lands (a step's count of
+    finished updates ran ahead of its own update and of its ticket, with 8
+    workers).
+
+    >>> variable = tf.Variable(1.0)
+    >>> @tf.function
+    ... def added():
+    ...     return tf.constant([op.type for op in _ops_added_by(lambda: variable.assign_add(1.0, read_value=False))])
+    >>> added().numpy().tolist()
+    [b'AssignAddVariableOp']
+    """
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    function()
+    return [op for op in graph.get_operations()[before:] if op.op_def.is_stateful]
 
 
 def _add_metrics(model, x, y, y_pred, sample_weight=None):
