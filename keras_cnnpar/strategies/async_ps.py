@@ -357,6 +357,7 @@ class _AsyncLoop:
         """Run ``steps`` steps on the workers, one for each batch of ``batches`` (one epoch's), in groups."""
         self.model.reset_metrics()
         self.average.swap_out()
+        self.begun.assign(self.applied.read_value())  # nothing in flight: drop the tickets of a lost worker's steps
         epoch = _IndexedBatches(batches)
         iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
         applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
