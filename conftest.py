@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Every process the suite starts inherits this mark; tests/conftest.py fails the session if one outlives it.
 os.environ["CNNPAR_TEST_SUITE"] = str(os.getpid())
 
-from keras_cnnpar import devices
+from keras_cnnpar.runtime import devices
 
 devices.configure(4, kind="CPU")
 

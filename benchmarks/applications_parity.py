@@ -19,7 +19,7 @@ import argparse
 import numpy as np
 from timing import cnnpar, keras
 
-from keras_cnnpar import rebuild
+from keras_cnnpar.keras_compat import rebuild
 
 #: keras.applications name -> input size (Keras's smallest allowed, or 32).
 MODELS = {"MobileNetV2": 32, "MobileNetV3Small": 32, "ResNet50": 32, "ResNet50V2": 32, "DenseNet121": 32,

@@ -15,7 +15,7 @@ import time
 
 from timing import EpochTimer, cnnpar, parse_args, training_split
 
-from keras_cnnpar import planner
+from keras_cnnpar.plan import planner
 
 TARGET = 0.9
 

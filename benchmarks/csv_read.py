@@ -69,7 +69,7 @@ print(f"{seconds} {peak} {arrays / 2 ** 20}")
 
 def write_files(folder):
     """A 42,000-row train.csv and a 28,000-row test.csv made of the embedded digits, repeated."""
-    from keras_cnnpar import data
+    from keras_cnnpar.zoo import data
 
     digits = data.load()
     pixels = np.rint(digits.x.reshape(len(digits), -1) * 255).astype(np.uint8)
@@ -89,7 +89,7 @@ def measure(reader, path, labeled):
 
 
 def main():
-    from keras_cnnpar import hardware
+    from keras_cnnpar.runtime import hardware
 
     print(hardware.describe(), flush=True)  # the machine first: readers differ between CPU kinds
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""The memory estimate per device (``keras_cnnpar.memory``) against the allocator's peak in a plan trial, for the
+"""The memory estimate per device (``keras_cnnpar.plan.memory``) against the allocator's peak in a plan trial, for the
 resnet under Single, DataParallel(2) and ChannelSharded(2) at several global batches (target: within 25%).
 
 The measured figure is a plan trial's: the allocator's peak during the timed epochs, above the memory in use when
@@ -11,7 +11,7 @@ import argparse
 
 from timing import cnnpar, training_split
 
-from keras_cnnpar import planner
+from keras_cnnpar.plan import planner
 
 TARGET = 0.25
 

@@ -25,7 +25,7 @@ import time
 
 from timing import EpochTimer, cnnpar, keras, parse_args, run_rounds, tf, training_split
 
-from keras_cnnpar.sharded.layers import conv_as_filter_gradient, conv_as_matmul, depthwise_conv
+from keras_cnnpar.strategies.tensor_parallel.layers import conv_as_filter_gradient, conv_as_matmul, depthwise_conv
 
 #: One of two shards of each row-mode convolution: (padded input, kernel) shapes at batch 64.
 CONVS = {"2+2 5x5 16(of 32)->64 at 14x14": ((64, 18, 18, 16), (5, 5, 16, 64)),

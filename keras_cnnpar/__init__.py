@@ -22,8 +22,10 @@ import importlib
 import os
 import warnings
 
-from keras_cnnpar import hardware, registry
-from keras_cnnpar.cluster import JOIN_AT_IMPORT, cluster_in_environment
+from keras_cnnpar import moved
+from keras_cnnpar.cluster.spec import JOIN_AT_IMPORT, cluster_in_environment
+from keras_cnnpar.runtime import hardware
+from keras_cnnpar.strategies import registry
 
 # Before TensorFlow starts: oneDNN's kernels where TensorFlow would leave them off; a warning where it started first.
 if _onednn_warning := hardware.onednn_warning(hardware.onednn_at_import()):
@@ -33,17 +35,30 @@ __version__ = "0.1.0"
 
 #: Public names and the module that defines them; the strategy classes come from the registry.
 _EXPORTS = {
-    "fit": "keras_cnnpar.training",
-    "parallel": "keras_cnnpar.training",
+    "fit": "keras_cnnpar.api",
+    "parallel": "keras_cnnpar.api",
     "Strategy": "keras_cnnpar.strategies",
     **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries()},
 }
-_SUBMODULES = ("callbacks", "cluster", "data", "devices", "fused", "hardware", "models", "runs", "serving",
-               "sharded", "strategies", "training")
-#: Old names of submodules, still importable with a deprecation warning.
-_DEPRECATED = ("layers",)
+#: Public submodules and where they live (``cnnpar.models`` is ``keras_cnnpar.zoo.models``).
+_SUBMODULES = {
+    "callbacks": "keras_cnnpar.results.callbacks",
+    "cluster": "keras_cnnpar.cluster",
+    "data": "keras_cnnpar.zoo.data",
+    "devices": "keras_cnnpar.runtime.devices",
+    "fused": "keras_cnnpar.keras_compat.fused",
+    "hardware": "keras_cnnpar.runtime.hardware",
+    "models": "keras_cnnpar.zoo.models",
+    "runs": "keras_cnnpar.results.runs",
+    "serving": "keras_cnnpar.serving",
+    "sharded": "keras_cnnpar.strategies.tensor_parallel",
+    "strategies": "keras_cnnpar.strategies",
+    "training": "keras_cnnpar.api",
+}
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+moved.install()  # the modules' old paths (`keras_cnnpar.runs`, ...) still import, with a deprecation warning
 
 
 if os.environ.get(JOIN_AT_IMPORT) == "1" and cluster_in_environment():
@@ -53,8 +68,10 @@ if os.environ.get(JOIN_AT_IMPORT) == "1" and cluster_in_environment():
 
 
 def __getattr__(name):
-    if name in _SUBMODULES or name in _DEPRECATED:
-        return importlib.import_module(f"keras_cnnpar.{name}")
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
+    if moved.new_path(name):
+        return importlib.import_module(f"keras_cnnpar.{name}")  # through the old path's warning
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'keras_cnnpar' has no attribute {name!r}")

@@ -10,11 +10,15 @@ import time
 
 import click
 
-from keras_cnnpar import __version__, arguments, registry, runs, startup
-from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar import __version__
+from keras_cnnpar.cluster import spec as cluster_lib
+from keras_cnnpar.results import runs
+from keras_cnnpar.runtime import startup
+from keras_cnnpar.runtime.subprocesses import python_command
+from keras_cnnpar.strategies import arguments, registry
+from keras_cnnpar.zoo.names import MODEL_NAMES
 
-MODELS = list(runs.MODEL_NAMES)
+MODELS = list(MODEL_NAMES)
 #: Seeds as TensorFlow and numpy take them.
 SEED = click.IntRange(0, 2**32 - 1)
 FORCE = click.option("--force", is_flag=True, help="Replace files that exist already.")
@@ -144,10 +148,11 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
 
     import keras
 
-    from keras_cnnpar import data as data_lib
-    from keras_cnnpar import devices as device_lib
-    from keras_cnnpar import models, training
-    from keras_cnnpar.checks import ShardCheckFailed
+    from keras_cnnpar import api as training
+    from keras_cnnpar.plan.checks import ShardCheckFailed
+    from keras_cnnpar.runtime import devices as device_lib
+    from keras_cnnpar.zoo import data as data_lib
+    from keras_cnnpar.zoo import models
 
     user_checkpoint_dir = checkpoint_dir is not None
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
@@ -221,7 +226,7 @@ def _auto_devices(devices, checks):
 
 
 def _checks(model, strategy, train_part, batch_size):
-    from keras_cnnpar import checks
+    from keras_cnnpar.plan import checks
 
     x, y = train_part.x[:batch_size], train_part.y[:batch_size]
     return [checks.GradientParityCheck(model, strategy, x, y),
@@ -241,7 +246,7 @@ def _mesh(value):
 
 def _launch_workers(workers):
     """Run this command in ``workers`` local processes (each finds TF_CONFIG set); exit with a failure's code."""
-    from keras_cnnpar import local_workers
+    from keras_cnnpar.cluster import local_workers
 
     code = local_workers.launch(python_command("-m", "keras_cnnpar.cli", *_command_line(click.get_current_context())),
                                 workers)
@@ -379,7 +384,7 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
     configuration is recorded in RESULTS/sweep.csv and the sweep goes on; the
     command exits 1 when any failed. Then run `cnnpar report`.
     """
-    from keras_cnnpar import experiments
+    from keras_cnnpar.plan import experiments
 
     configs, skipped = experiments.plan(model_kinds, strategy_names, device_counts)
     for reason in skipped:
@@ -431,9 +436,11 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
         _check_writable(out_dir, "--out")
     import keras
 
-    from keras_cnnpar import data as data_lib
-    from keras_cnnpar import devices as device_lib
-    from keras_cnnpar import hardware, models, planner
+    from keras_cnnpar.plan import planner
+    from keras_cnnpar.runtime import devices as device_lib
+    from keras_cnnpar.runtime import hardware
+    from keras_cnnpar.zoo import data as data_lib
+    from keras_cnnpar.zoo import models
 
     click.echo(device_lib.describe(device_lib.configure(devices)))
     try:
@@ -459,7 +466,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results", show_default=True)
 def report(results_dir):
     """Summarize RESULTS: a table (printed, summary.csv, summary.md) and plots, flagging efficiency below 80%."""
-    from keras_cnnpar import experiments
+    from keras_cnnpar.plan import experiments
 
     try:
         _, markdown = experiments.write_report(results_dir)
@@ -508,8 +515,8 @@ def predict(model_dir, test_csv, out, force):
     Bad input exits with code 2 and writes nothing.
     """
     _quiet_tensorflow()
-    from keras_cnnpar import data as data_lib
     from keras_cnnpar import serving
+    from keras_cnnpar.zoo import data as data_lib
 
     if not os.path.isfile(os.path.join(model_dir, "saved_model.pb")):
         raise click.BadParameter(f"{model_dir}: expected an export holding saved_model.pb. "
@@ -553,7 +560,7 @@ def launch(workers, network_kind, command):
     \b
       srun --ntasks-per-node=1 cnnpar launch -- python train.py --epochs 3
     """
-    from keras_cnnpar import local_workers
+    from keras_cnnpar.cluster import local_workers
 
     command = [sys.executable if command[0] in ("python", "python3") else command[0], *command[1:]]
     if cluster_lib.slurm_step():
@@ -583,7 +590,7 @@ def cluster_start(workers, ps, spec_path):
     Train on them with `cnnpar train --strategy async-ps --cluster SPEC`; end
     them with `cnnpar cluster stop --spec SPEC`.
     """
-    from keras_cnnpar import network, servers
+    from keras_cnnpar.cluster import network, servers
 
     try:
         config = servers.start_servers(workers, ps, spec_path)
@@ -606,7 +613,7 @@ def cluster_start(workers, ps, spec_path):
               help="The spec file `cnnpar cluster start` wrote.")
 def cluster_stop(spec_path):
     """End the server processes of a spec file and remove it."""
-    from keras_cnnpar import servers
+    from keras_cnnpar.cluster import servers
 
     try:
         stopped = servers.stop_servers(spec_path)
@@ -631,7 +638,8 @@ def cluster_serve(spec_path, job, index):
     sent to it, unauthenticated: use it on trusted networks only (docs/strategies.md).
     """
     startup.quiet_start(keras=False)  # a server runs the graphs sent to it
-    from keras_cnnpar import cluster, servers
+    from keras_cnnpar.cluster import servers
+    from keras_cnnpar.cluster import spec as cluster
 
     try:
         spec = cluster.parse_spec(spec_path)
@@ -658,7 +666,7 @@ def kaggle(out_dir, test_fraction, seed, force):
     train.csv has label,pixel0..pixel783; test.csv has pixel0..pixel783 and no label.
     """
     _quiet_tensorflow()
-    from keras_cnnpar import data as data_lib
+    from keras_cnnpar.zoo import data as data_lib
 
     _refuse_to_overwrite([os.path.join(out_dir, name) for name in ("train.csv", "test.csv")], force)
     for path in data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed):

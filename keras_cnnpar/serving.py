@@ -32,10 +32,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import data as data_lib
-from keras_cnnpar import runs
-from keras_cnnpar.atomic import created_mode, write_atomic
-from keras_cnnpar.subprocesses import python_command
+from keras_cnnpar.results import runs
+from keras_cnnpar.runtime.atomic import created_mode, write_atomic
+from keras_cnnpar.runtime.subprocesses import python_command
+from keras_cnnpar.zoo import data as data_lib
+from keras_cnnpar.zoo.names import MODEL_NAMES
 
 SIGNATURE = "serving_default"
 INPUT = "pixels"
@@ -194,13 +195,13 @@ def save_weights(model, path):
 
 def load_weights(path, kind=None):
     """Rebuild the CNN of ``kind`` (default: read from the run file's name) holding the weights in ``path``."""
-    from keras_cnnpar import models
+    from keras_cnnpar.zoo import models
 
     path = Path(path)
     kind = kind or runs.kind_of(path.name)
     if kind is None:
         raise ValueError(f"{path}: cannot tell the model from the file name; give the model kind "
-                         f"({sorted(runs.MODEL_NAMES)}). Received: model=None")
+                         f"({sorted(MODEL_NAMES)}). Received: model=None")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found. Received: weights={path}")
     model = models.build(kind)
@@ -212,7 +213,7 @@ def load_weights(path, kind=None):
 def predict_csv(model_dir, test_csv, out, *, batch_size=512):
     """Write Kaggle ``ImageId,Label`` predictions of the export ``model_dir`` for an unlabeled ``test_csv``.
 
-    ImageId starts at 1. Bad input raises :class:`keras_cnnpar.data.DataError`
+    ImageId starts at 1. Bad input raises :class:`keras_cnnpar.zoo.data.DataError`
     before anything is written, and the CSV is written atomically. Returns the
     number of rows.
     """

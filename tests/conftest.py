@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from keras_cnnpar import data
+from keras_cnnpar.zoo import data
 from tests import helpers
 
 

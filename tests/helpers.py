@@ -18,7 +18,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, cluster, hardware, models, registry, training
+from keras_cnnpar import api as training
+from keras_cnnpar import cli
+from keras_cnnpar.cluster import spec as cluster
+from keras_cnnpar.runtime import hardware
+from keras_cnnpar.strategies import registry
+from keras_cnnpar.zoo import models
 
 #: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
 FLOORS = {"2+2": 0.93, "3+3": 0.92, "resnet": 0.92}  # resnet under Single: 0.939, 0.952, 0.956 (seeds 0-2)

@@ -4,7 +4,7 @@ import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import hardware
+from keras_cnnpar.runtime import hardware
 from tests.helpers import FLOORS, NATIVE_BFLOAT16
 
 pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest -m "not slow"` leaves them out

@@ -69,7 +69,7 @@ def find_cycle(graph):
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert len(graph) > 20 and graph["keras_cnnpar.training"]  # the graph really was read
+    assert len(graph) > 20 and graph["keras_cnnpar.api"]  # the graph really was read
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -78,13 +78,73 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def modules_mentioning(text):
+    """The package's module paths (``strategies/base.py``) whose source holds ``text``."""
+    return {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if text in p.read_text(encoding="utf-8")}
+
+
 @pytest.mark.parametrize("api, allowed", [
-    ("tf.distribute.", {"strategies", "servers.py"}),  # servers.py runs the servers of external clusters
-    ("dtensor.", {"strategies", "sharded"}),
+    ("tf.distribute.", ("strategies/", "cluster/servers.py")),  # servers.py runs the servers of external clusters
+    ("dtensor.", ("strategies/tensor_parallel/",)),
 ])
 def test_distribution_calls_live_in_the_strategy_modules_and_sharded_layers(api, allowed):
-    users = {p.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("*.py") if api in p.read_text(encoding="utf-8")}
-    assert users and users <= allowed, users
+    users = modules_mentioning(api)
+    assert users and all(user.startswith(allowed) for user in users), users
+
+
+#: The package's layers, lowest first: a module imports only modules of its own package or of a lower layer.
+LAYERS = [("runtime",), ("keras_compat",), ("zoo", "cluster"), ("results",), ("strategies",), ("engine",), ("plan",),
+          ("api", "serving"), ("cli",)]
+#: Imports that point up on purpose, each with its reason.
+UPWARD = {
+    # the zoo's models come with `fit(..., strategy=)`: `cnn` wraps the model it builds, at call time
+    ("keras_cnnpar.zoo.models", "keras_cnnpar.api"),
+}
+
+
+def layer_of(module):
+    """The index in LAYERS of ``module``'s top package below keras_cnnpar, or None (the package's face)."""
+    top = module.split(".")[1] if module.count(".") else None
+    return next((i for i, layer in enumerate(LAYERS) if top in layer), None)
+
+
+def test_every_module_sits_in_a_layer():
+    unplaced = {m for m in import_graph() if m.count(".") and layer_of(m) is None}
+    assert unplaced == {"keras_cnnpar.moved"}, unplaced  # the old import paths: it imports by name only
+
+
+def test_imports_point_down_the_layers():
+    upward = sorted((module, imported) for module, imports in import_graph().items() for imported in imports
+                    if None not in (layer_of(module), layer_of(imported))
+                    and module.split(".")[1] != imported.split(".")[1]
+                    and layer_of(imported) >= layer_of(module) and (module, imported) not in UPWARD)
+    assert upward == [], upward
+
+
+def test_results_cluster_and_the_zoo_never_import_the_strategies_and_nothing_imports_the_cli():
+    graph = import_graph()
+    for module, imports in graph.items():
+        if module.startswith(("keras_cnnpar.results", "keras_cnnpar.cluster", "keras_cnnpar.zoo")):
+            assert not {m for m in imports if m.startswith("keras_cnnpar.strategies")}, module
+        assert not {m for m in imports if m.startswith("keras_cnnpar.cli")} or module.startswith("keras_cnnpar.cli")
+
+
+@pytest.mark.parametrize("private", ["_inbound_nodes", "_nodes_by_depth", "_keras_history", "keras.src"])
+def test_only_keras_compat_touches_keras_private_api(private):
+    users = modules_mentioning(private)
+    assert users and all(user.startswith("keras_compat/") for user in users), users
+
+
+def test_an_old_import_path_gives_the_moved_module_with_a_deprecation_warning():
+    script = ("import warnings\nwarnings.simplefilter('error')\nimport keras_cnnpar\n"
+              "try:\n    import keras_cnnpar.planner\nexcept DeprecationWarning as w:\n    print(w)\n"
+              "warnings.simplefilter('ignore')\nimport keras_cnnpar.planner, keras_cnnpar.plan.planner as new\n"
+              "print(keras_cnnpar.planner is new, keras_cnnpar.models.__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == [
+        "keras_cnnpar.planner is now keras_cnnpar.plan.planner; the old path will go in a later release",
+        "True keras_cnnpar.zoo.models"]
 
 
 def test_no_test_module_imports_another_or_the_conftest():
@@ -102,8 +162,8 @@ def test_exporting_a_zoo_model_loads_neither_training_nor_the_strategies(tmp_pat
         "import sys\n"
         "from keras_cnnpar import models, serving\n"
         f"serving.export(models.build('3+3'), {str(tmp_path / 'export')!r}, verify=False)\n"
-        "print(sorted(m for m in sys.modules if m == 'keras_cnnpar.training' "
-        "or m.startswith('keras_cnnpar.strategies')))\n")
+        "print(sorted(m for m in sys.modules if m == 'keras_cnnpar.api' or m.startswith('keras_cnnpar.strategies') "
+        "and m not in ('keras_cnnpar.strategies', 'keras_cnnpar.strategies.registry')))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert done.returncode == 0, done.stderr[-2000:]

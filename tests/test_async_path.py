@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import network
-from keras_cnnpar.strategies import async_ps, async_remote
+from keras_cnnpar.cluster import network
+from keras_cnnpar.strategies.async_ps import remote as async_remote
+from keras_cnnpar.strategies.async_ps import strategy as async_ps
 from tests.helpers import build_small_cnn, descendants
 
 pytestmark = pytest.mark.slow  # parameter-server clusters in processes of their own

@@ -19,7 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import cli, cluster, hardware, network, servers
+from keras_cnnpar import cli
+from keras_cnnpar.cluster import network, servers
+from keras_cnnpar.cluster import spec as cluster
+from keras_cnnpar.runtime import hardware
 from tests.helpers import (
     ENV,
     FLOORS,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar.checks import NOISE_FACTOR, PARITY_TOLERANCE, GradientParityCheck
-from keras_cnnpar.precise_bn import PreciseBatchNorm
+from keras_cnnpar.keras_compat.precise_bn import PreciseBatchNorm
+from keras_cnnpar.plan.checks import NOISE_FACTOR, PARITY_TOLERANCE, GradientParityCheck
 from tests.helpers import (
     SYNCHRONIZED_STEP_TOLERANCE,
     build_residual_cnn,

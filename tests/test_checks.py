@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checks, rebuild
+from keras_cnnpar.keras_compat import rebuild
+from keras_cnnpar.plan import checks
 from tests.helpers import build_cnn_with_operations_on_tensors, build_small_cnn, max_weight_difference
 
 

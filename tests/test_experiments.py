@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import cli, experiments, registry, runs
+from keras_cnnpar import cli
+from keras_cnnpar.plan import experiments
+from keras_cnnpar.results import runs
+from keras_cnnpar.strategies import registry
 from tests.helpers import (
     ENV,
     HEADER,

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import rebuild
+from keras_cnnpar.keras_compat import rebuild
 from tests.helpers import max_difference
 
 L = keras.layers

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import fused
+from keras_cnnpar.keras_compat import fused
 from tests.helpers import build_small_cnn, max_weight_difference
 
 #: Float32 rounding: the kernel and Keras round the same formula in different places (a fused multiply-add,

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import hardware
+from keras_cnnpar.runtime import hardware
 from tests.helpers import ENV, build_small_cnn
 
 EMULATING = hardware.Cpu("Some AVX2 CPU", frozenset({"avx", "avx2", "fma"}), x86=True)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from keras_cnnpar import cluster, runs
+from keras_cnnpar.cluster import spec as cluster
+from keras_cnnpar.results import runs
+from keras_cnnpar.zoo.names import MODEL_NAMES
 from tests import hosts
 from tests.helpers import ENV, epoch_column, read_rows, wait_for_epoch_rows, wait_for_file
 
@@ -24,7 +26,7 @@ UNAVAILABLE = hosts.unavailable()
 pytestmark = [pytest.mark.slow,  # processes in network namespaces
               pytest.mark.skipif(UNAVAILABLE is not None, reason=f"hosts as network namespaces: {UNAVAILABLE}")]
 
-MODEL = runs.MODEL_NAMES["3+3"]
+MODEL = MODEL_NAMES["3+3"]
 EXAMPLES = Path(__file__).parents[1] / "examples"
 MULTI_WORKER_CSV = runs.run_file_name(MODEL, "multi-worker", 2)
 

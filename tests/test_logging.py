@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, experiments, runs
+from keras_cnnpar.plan import experiments
+from keras_cnnpar.results import checkpoints, runs
 from tests.helpers import ENV, documented_runs_columns
 from tests.helpers import read_rows as read
 

@@ -2,7 +2,8 @@ import keras
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import models, runs
+from keras_cnnpar.results import runs
+from keras_cnnpar.zoo import models
 
 
 @pytest.mark.parametrize("kind, parameters, name", [

@@ -19,7 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, cli, hardware, local_workers, network
+from keras_cnnpar import cli
+from keras_cnnpar.cluster import local_workers, network
+from keras_cnnpar.results import checkpoints
+from keras_cnnpar.runtime import hardware
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -212,7 +215,7 @@ def test_an_elastic_resume_accepts_another_worker_count_says_so_and_still_refuse
 def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
     """A collective that timed out names no task (a link gone down): the lost peers are those that accept no
     connection; a message that names tasks is taken at its word."""
-    from keras_cnnpar import cluster as cluster_lib
+    from keras_cnnpar.cluster import spec as cluster_lib
     from keras_cnnpar.strategies import multi_worker
 
     with socket.create_server(("localhost", 0)) as listening:

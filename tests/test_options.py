@@ -15,9 +15,9 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import rebuild
-from keras_cnnpar.sharded.layers import to_mesh
+from keras_cnnpar.keras_compat import rebuild
 from keras_cnnpar.strategies import RunSettings
+from keras_cnnpar.strategies.tensor_parallel.layers import to_mesh
 from tests.helpers import build_small_cnn
 
 IMAGES = tf.TensorSpec([64, 28, 28, 1], tf.float32)

@@ -9,7 +9,8 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import planner, runs
+from keras_cnnpar.plan import planner
+from keras_cnnpar.results import runs
 from tests.helpers import build_small_cnn, run_cli, two_inputs_two_outputs
 
 

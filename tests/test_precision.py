@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import rebuild
+from keras_cnnpar.keras_compat import rebuild
 from keras_cnnpar.strategies import RunSettings
 from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weight_difference, one_sgd_step
 

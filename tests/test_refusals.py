@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checkpoints, strategies
+from keras_cnnpar import strategies
+from keras_cnnpar.results import checkpoints
 from tests.helpers import build_small_cnn
 from tests.helpers import run_cli as run
 

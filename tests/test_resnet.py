@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import runs, serving
+from keras_cnnpar import serving
+from keras_cnnpar.results import runs
+from keras_cnnpar.zoo.names import MODEL_NAMES
 from tests.helpers import build_resnet, max_difference, max_weight_difference, moving_statistics, one_sgd_step
 
 #: One SGD step from the same weights, in float64, against Single's (the moving statistics included).
@@ -31,7 +33,7 @@ def single(batch):
 def test_the_resnet_is_functional_with_batch_normalization_and_residual_adds():
     model = cnnpar.models.cnn("resnet")
     assert model.count_params() == 78_426
-    assert model.name == runs.MODEL_NAMES["resnet"] == "cnn2d_resnet_3stage"
+    assert model.name == MODEL_NAMES["resnet"] == "cnn2d_resnet_3stage"
     assert not isinstance(model, keras.Sequential)
     kinds = [type(layer).__name__ for layer in model.layers]
     assert (kinds.count("BatchNormalization"), kinds.count("Add"), kinds.count("GlobalAveragePooling2D")) == (9, 3, 1)

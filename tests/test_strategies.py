@@ -7,7 +7,11 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import checks, devices, memory, rebuild, registry, strategies
+from keras_cnnpar import strategies
+from keras_cnnpar.keras_compat import rebuild
+from keras_cnnpar.plan import checks, memory
+from keras_cnnpar.runtime import devices
+from keras_cnnpar.strategies import registry
 from tests.helpers import (
     IN_PROCESS,
     build_small_cnn,

@@ -10,10 +10,11 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import keras_cnnpar as cnnpar
-from keras_cnnpar import devices, rebuild
-from keras_cnnpar.sharded import ChannelShardedConv2D, ShardedDense, ShardedModel
-from keras_cnnpar.sharded.layers import activation_layout, to_mesh, to_numpy
-from keras_cnnpar.strategies import tensor_parallel
+from keras_cnnpar.keras_compat import rebuild
+from keras_cnnpar.runtime import devices
+from keras_cnnpar.strategies.tensor_parallel import ChannelShardedConv2D, ShardedDense, ShardedModel
+from keras_cnnpar.strategies.tensor_parallel import strategy as tensor_parallel
+from keras_cnnpar.strategies.tensor_parallel.layers import activation_layout, to_mesh, to_numpy
 from tests.helpers import (
     SYNCHRONIZED_STEP_TOLERANCE,
     build_residual_cnn,

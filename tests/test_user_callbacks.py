@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
+from keras_cnnpar.engine.user_callbacks import UserModelCallbacks
 from keras_cnnpar.strategies import base
-from keras_cnnpar.user_callbacks import UserModelCallbacks
 from tests.helpers import IN_PROCESS, build_small_cnn, max_difference
 
 #: Every in-process strategy, the layer placement pipelined.

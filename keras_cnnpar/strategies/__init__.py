@@ -1,41 +1,33 @@
-"""Parallel training strategies: one module each, found through the registry (``keras_cnnpar.registry``).
+"""Parallel training strategies: one module or package each, found through the registry (:mod:`.registry`).
 
-A strategy class is imported when it is first used, so ``import keras_cnnpar``
-stays light:
+Every name here is imported when it is first used, so ``import keras_cnnpar`` (and reading the registry) stays
+light; the strategy classes load with TensorFlow:
 
 >>> from keras_cnnpar import strategies
 >>> strategies.names()
 ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
 >>> strategies.Hybrid
-<class 'keras_cnnpar.strategies.tensor_parallel.Hybrid'>
+<class 'keras_cnnpar.strategies.tensor_parallel.strategy.Hybrid'>
 """
 
-from keras_cnnpar import registry
-from keras_cnnpar.strategies.base import (
-    CheckpointedStrategy,
-    PeerLost,
-    Run,
-    RunSettings,
-    Strategy,
-    accepts,
-    create,
-    names,
-    register,
-    resolve,
-)
-from keras_cnnpar.strategies.multi_worker import Preempted
+import importlib
 
-#: The registered strategy classes by class name (``"DataParallel"``), imported on first use.
-CLASSES = {entry.class_name: entry for entry in registry.entries()}
+from keras_cnnpar.strategies import registry
 
-__all__ = ["CheckpointedStrategy", "PeerLost", "Preempted", "Run", "RunSettings", "Strategy", "accepts", "create",
-           "names", "register", "resolve"]
-__all__ += sorted(CLASSES)
+#: The contract's names and the module that defines each.
+_CONTRACT = {**dict.fromkeys(["CheckpointedStrategy", "PeerLost", "Run", "RunSettings", "Strategy", "accepts",
+                              "create", "names", "register", "resolve"], "keras_cnnpar.strategies.base"),
+             "Preempted": "keras_cnnpar.strategies.multi_worker"}
+
+__all__ = sorted([*_CONTRACT, *(entry.class_name for entry in registry.entries())])
 
 
 def __getattr__(name):
-    if name in CLASSES:
-        return CLASSES[name].load()
+    if name in _CONTRACT:
+        return getattr(importlib.import_module(_CONTRACT[name]), name)
+    classes = {entry.class_name: entry for entry in registry.entries()}
+    if name in classes:
+        return classes[name].load()
     raise AttributeError(f"module 'keras_cnnpar.strategies' has no attribute {name!r}")
 
 

@@ -16,7 +16,7 @@ training changes it. A training is a :class:`Run`:
 Traceback (most recent call last):
 AttributeError: <Single devices=1> is a configuration: it does not change after it is created; ...
 
-Strings name strategies through the registry (:mod:`keras_cnnpar.registry`):
+Strings name strategies through the registry (:mod:`keras_cnnpar.strategies.registry`):
 
 >>> resolve("single")
 <Single devices=1>
@@ -36,7 +36,9 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import accumulation, arguments, checkpoints, rebuild, registry, runs
+from keras_cnnpar.keras_compat import accumulation, rebuild
+from keras_cnnpar.results import checkpoints, runs
+from keras_cnnpar.strategies import arguments, registry
 
 names = registry.names
 
@@ -50,7 +52,7 @@ def register(alias):
 
     The registry finds the decorated class in the source of the strategies
     package; its facts are the class attributes documented in
-    :mod:`keras_cnnpar.registry`.
+    :mod:`keras_cnnpar.strategies.registry`.
     """
 
     def decorate(cls):
@@ -157,7 +159,7 @@ class Strategy(metaclass=_Configuration):
     """
 
     alias = "strategy"
-    #: Registry facts (see keras_cnnpar.registry): a one-line description, the valid device counts, the
+    #: Registry facts (see keras_cnnpar.strategies.registry): a one-line description, the valid device counts, the
     #: `cnnpar train` option that sets the count, whether the strategy keeps checkpoints to resume, and
     #: whether it trains on a cluster of TensorFlow servers (processes beyond the caller's).
     description = ""
@@ -479,7 +481,7 @@ class CheckpointedStrategy(Strategy):
         return Path(self.checkpoint_dir) / runs.run_file_name(prepared.name, self.alias, devices, "")
 
     def run_checkpoint(self, prepared, settings):
-        """The :class:`~keras_cnnpar.checkpoints.RunCheckpoint` of a run of ``prepared`` with ``settings``, in
+        """The :class:`~keras_cnnpar.results.checkpoints.RunCheckpoint` of a run of ``prepared`` with ``settings``, in
         :meth:`checkpoint_folder`; an elastic strategy's accepts another device count."""
         return checkpoints.RunCheckpoint(prepared, self.checkpoint_folder(prepared), settings.resume,
                                          dict(settings.record), may_change=("devices",) if self.elastic else ())

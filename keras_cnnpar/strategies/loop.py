@@ -14,6 +14,28 @@ import contextlib
 
 import keras
 
+#: Keras's batch-level callback hooks, by phase.
+BATCH_HOOKS = {"train": ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end"),
+               "test": ("on_test_batch_begin", "on_test_batch_end")}
+
+
+def with_batch_hooks(callbacks, phase="train"):
+    """The callbacks that override one of Keras's batch hooks of ``phase`` (``"train"`` or ``"test"``)."""
+    base = keras.callbacks.Callback
+    return [callback for callback in callbacks
+            if any(getattr(type(callback), hook) is not getattr(base, hook) for hook in BATCH_HOOKS[phase])]
+
+
+def reads_batch_logs(callbacks, phase="train"):
+    """Whether one of ``callbacks`` (or of the callbacks that one of them wraps as ``.callbacks``, as the
+    user's callbacks are wrapped) overrides a batch hook of ``phase`` (``"train"`` or ``"test"``).
+
+    >>> reads_batch_logs([keras.callbacks.History()]), reads_batch_logs([keras.callbacks.ProgbarLogger()])
+    (False, True)
+    """
+    return any(reads_batch_logs(callback.callbacks, phase) if hasattr(callback, "callbacks")
+               else bool(with_batch_hooks([callback], phase)) for callback in callbacks)
+
 
 def run_epochs(model, train_epoch, *, epochs, steps, callbacks=None, verbose=1, initial_epoch=0, validate=None,
                validation_freq=1, epoch_guard=None, after_epoch=None):

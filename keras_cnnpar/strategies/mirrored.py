@@ -4,8 +4,8 @@ import functools
 
 import tensorflow as tf
 
-from keras_cnnpar import arguments
-from keras_cnnpar import devices as device_lib
+from keras_cnnpar.runtime import devices as device_lib
+from keras_cnnpar.strategies import arguments
 from keras_cnnpar.strategies.base import Strategy, register
 
 

@@ -13,9 +13,9 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_cnnpar import arguments, local_workers, network
-from keras_cnnpar import cluster as cluster_lib
-from keras_cnnpar.strategies import base
+from keras_cnnpar.cluster import local_workers, network
+from keras_cnnpar.cluster import spec as cluster_lib
+from keras_cnnpar.strategies import arguments, base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
 

@@ -8,10 +8,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar import arguments, graph, rebuild
-from keras_cnnpar import devices as device_lib
-from keras_cnnpar.accumulation import Wrapper, split_batch
-from keras_cnnpar.strategies import base
+from keras_cnnpar.keras_compat import graph, rebuild
+from keras_cnnpar.keras_compat.accumulation import Wrapper, split_batch
+from keras_cnnpar.runtime import devices as device_lib
+from keras_cnnpar.strategies import arguments, base
 from keras_cnnpar.strategies.base import Strategy, register
 
 

@@ -1,0 +1,228 @@
+"""Run logging callbacks: the per-epoch CSV (``EpochLogger``) and the run's record (``RunRecorder``).
+
+``cnnpar.fit`` adds both, in that order, after the user's callbacks; the names
+and the ``runs.csv`` row come from :mod:`keras_cnnpar.results.runs`.
+
+Example:
+
+>>> import os, tempfile, keras_cnnpar as cnnpar
+>>> model = cnnpar.models.cnn("3+3")
+>>> digits = cnnpar.data.load()
+>>> results = tempfile.mkdtemp()
+>>> history = model.fit(digits.x[::10], digits.y[::10], batch_size=64, strategy="single",
+...                     results_dir=results, verbose=0)   # adds an EpochLogger and a RunRecorder
+>>> sorted(os.listdir(results))
+['cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv', 'results.log', 'runs', 'runs.csv']
+"""
+
+import csv
+import io
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import keras
+
+from keras_cnnpar.results import runs
+from keras_cnnpar.runtime import hardware
+from keras_cnnpar.runtime.atomic import created_mode, write_atomic
+from keras_cnnpar.results.runs import RunInfo
+
+__all__ = ["EpochLogger", "RunInfo", "RunRecorder", "run_callbacks"]
+
+
+class EpochLogger(keras.callbacks.Callback):
+    """Write one flushed CSV row per epoch: the logs, the epoch's time and its images/s.
+
+    Follows ``keras.callbacks.CSVLogger``'s lifecycle: the file opens in
+    ``on_train_begin``, gets one flushed row per epoch, and closes in
+    ``on_train_end``. Columns are ``epoch`` (1-based) then the rest sorted by
+    name; a column first seen after the first epoch (validation every
+    ``validation_freq`` epochs) rewrites the file with it, earlier rows blank
+    there (``keras.callbacks.CSVLogger`` drops it). The run writes its own
+    file (``RunInfo.epoch_csv``, under ``runs/<run id>/``), created once its
+    first epoch is complete, and after every epoch copies it whole onto the
+    configuration's file (``RunInfo.view_csv``, the latest run's): a run that
+    fails before its first epoch leaves the previous run's file as it was, and
+    two runs of one configuration at once each keep their own. A run that starts at
+    ``initial_epoch > 0`` keeps the rows of the epochs before it (from the
+    configuration's file) and appends, so no epoch appears twice.
+
+    It must come after callbacks that change the logs (it writes what it sees),
+    and it measures an epoch's training time up to the start of validation.
+
+    Example:
+
+    >>> import tempfile, keras_cnnpar as cnnpar
+    >>> info = RunInfo("cnn2d_3layer_fullconnected_3layer", "single", 1, 64, 500, epochs=1)
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> logger = EpochLogger(info, tempfile.mkdtemp())
+    >>> history = model.fit(digits.x[::10], digits.y[::10], batch_size=64, verbose=0, callbacks=[logger])
+    >>> [row["epoch"] for row in logger.rows]
+    [1]
+
+    Args:
+        info: the run's :class:`RunInfo`.
+        results_dir: folder of the CSV; created when training starts.
+    """
+
+    def __init__(self, info, results_dir):
+        super().__init__()
+        self.info = info
+        self.path = Path(results_dir) / info.epoch_csv
+        self.view = Path(results_dir) / info.view_csv
+        self.rows = []
+        self._file = self._writer = self._temporary = None
+
+    def on_train_begin(self, logs=None):
+        self.view.parent.mkdir(parents=True, exist_ok=True)
+        header, kept = _kept_epochs(self.view, self.info.initial_epoch)
+        descriptor, self._temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
+                                                       dir=self.view.parent)  # the run's folder comes with epoch 1
+        os.fchmod(descriptor, created_mode())
+        self._file = os.fdopen(descriptor, "w", newline="", encoding="utf-8")
+        self._kept, self.rows = kept, []
+        self._writer = None
+        if header:
+            self._rewrite(header)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.perf_counter()
+        self._train_end = None
+
+    def on_test_begin(self, logs=None):
+        if self._train_end is None:
+            self._train_end = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        now = time.perf_counter()
+        train_seconds = (self._train_end or now) - self._epoch_start
+        samples = self.info.samples_per_epoch
+        row = {
+            **{key: value if isinstance(value, str) else float(value) for key, value in (logs or {}).items()},
+            "epoch": epoch + 1,
+            "timestamp": runs.now(),
+            "epoch_seconds": round(now - self._epoch_start, 6),
+            "train_seconds": round(train_seconds, 6),
+            "images_per_second": round(samples / train_seconds, 2) if samples else "",
+            "strategy": self.info.strategy,
+            "devices": self.info.devices,
+            "global_batch": self.info.global_batch,
+        }
+        columns = self._writer.fieldnames if self._writer else ["epoch"]
+        if set(row) - set(columns):
+            self._rewrite(["epoch", *sorted((set(columns) | set(row)) - {"epoch"})])
+        self._writer.writerow(row)
+        self._file.flush()
+        if self._temporary is not None:  # the first complete epoch: the new file takes the old one's place
+            os.fsync(self._file.fileno())
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self._temporary, self.path)
+            self._temporary = None
+        if self.view != self.path:
+            write_atomic(self.view, self.path.read_bytes())
+        self.rows.append(row)
+
+    def on_train_end(self, logs=None):
+        self.close()
+
+    def _rewrite(self, columns):
+        """Write the header of ``columns`` and the rows so far again (blank where a row lacks a column); the run's
+        file, once it has its first epoch, is replaced whole, never left half-written."""
+        text = io.StringIO()
+        writer = csv.DictWriter(text, columns, restval="")
+        writer.writeheader()
+        writer.writerows(self._kept + self.rows)
+        if self._temporary is None:
+            self._file.close()
+            write_atomic(self.path, text.getvalue())
+            self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (close() closes it)
+        else:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(text.getvalue())
+        self._writer = csv.DictWriter(self._file, columns, restval="")
+
+    def close(self):
+        """Close the file. A new file that never completed an epoch goes and the previous one stays; after a
+        failure later on, the rows of the completed epochs stay."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._temporary is not None:
+            Path(self._temporary).unlink(missing_ok=True)
+            self._temporary = None
+
+
+class RunRecorder(keras.callbacks.Callback):
+    """Record a run in the results folder: its ``results.log`` lines and, at the end, its ``runs.csv`` row.
+
+    It reads each epoch's figures from ``epochs``, the run's
+    :class:`EpochLogger`, so it must come after it. Only the chief process
+    adds these callbacks.
+
+    Args:
+        info: the run's :class:`RunInfo`.
+        results_dir: folder of ``runs.csv`` and ``results.log``.
+        epochs: the run's :class:`EpochLogger`.
+        report: the strategy's layout report, logged after the start line.
+    """
+
+    def __init__(self, info, results_dir, epochs, report=None):
+        super().__init__()
+        self.info, self.results_dir, self.epochs, self.report = info, Path(results_dir), epochs, report
+        #: The run's row of ``runs.csv``, once training ended.
+        self.row = None
+
+    def on_train_begin(self, logs=None):
+        info = self.info
+        self._log(f"start model={info.model} strategy={info.strategy} devices={info.devices} "
+                  f"global_batch={info.global_batch} epochs={info.epochs} initial_epoch={info.initial_epoch} "
+                  f"precision={info.precision} csv={info.epoch_csv}")
+        self._log(f"machine {hardware.describe()}")
+        for line in (self.report or "").splitlines():
+            self._log(f"layout {line}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        row = self.epochs.rows[-1]
+        metrics = " ".join(f"{k}={row[k]:.4f}" for k in ("loss", "accuracy", "val_loss", "val_accuracy") if k in row)
+        self._log(f"epoch {epoch + 1}/{self.info.epochs} {metrics} images_per_second={row['images_per_second']}")
+        if row.get("lost_workers"):
+            self._log(f"event epoch {epoch + 1}: {int(row['lost_workers'])} worker(s) lost; "
+                      f"their steps ran again on the others")
+
+    def on_train_end(self, logs=None):
+        if self.epochs.rows:
+            self.row = runs.append_run(self.results_dir, self.info, self.epochs.rows)
+            self._log(f"end model={self.info.model} strategy={self.info.strategy} "
+                      f"images_per_second={self.row['images_per_second']} speedup={self.row['speedup']}")
+
+    def on_failure(self, error):
+        """Log why training stopped (``cnnpar.fit`` calls this when training raises)."""
+        self._log(f"failed model={self.info.model} strategy={self.info.strategy}: {type(error).__name__}: {error}")
+
+    def _log(self, message):
+        run = f" [run {self.info.run_id}]" if self.info.run_id else ""
+        runs.append_line(self.results_dir / runs.RESULTS_LOG, f"{runs.now()} {message}{run}")
+
+
+def run_callbacks(info, results_dir, report=None):
+    """The logging callbacks of one run, in their order: ``[EpochLogger, RunRecorder]``.
+
+    ``runs.csv`` is made ready first (an older one migrated, one that cannot be
+    refused with a ``ValueError``), so a run never trains to find no place for its row.
+    """
+    runs.prepare_runs_csv(results_dir)
+    epochs = EpochLogger(info, results_dir)
+    return [epochs, RunRecorder(info, results_dir, epochs, report)]
+
+
+def _kept_epochs(path, initial_epoch):
+    """``(header, rows)`` of the epochs ``<= initial_epoch`` in ``path``; ``(None, [])`` to start anew."""
+    if initial_epoch <= 0 or not path.exists():
+        return None, []
+    with open(path, newline="", encoding="utf-8") as file:
+        reader = csv.DictReader(file)
+        return reader.fieldnames, [r for r in reader if int(r["epoch"]) <= initial_epoch]

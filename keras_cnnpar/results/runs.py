@@ -1,0 +1,392 @@
+"""The results folder: the names of a run's files, ``runs.csv`` (its columns, migration and speedup rule), the log.
+
+This module knows the folder's layout and nothing of TensorFlow; every other
+module asks it for a name or a row. A run configuration's files are named as
+in the original project:
+
+>>> run_file_name("cnn2d_2layer_fullconnected_2layer", "mirrored", 2)
+'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_mirrored_2dev.csv'
+>>> run_file_name("cnn2d_2layer_fullconnected_2layer", "single", 1, ".weights.h5")
+'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.weights.h5'
+>>> kind_of("cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5")
+'3+3'
+
+Each run also keeps its own copies under ``runs/<run id>/``, so two runs of one
+configuration at once never share a file; the names above are the
+configuration's latest run (a copy, replaced whole after every epoch):
+
+>>> info = RunInfo("cnn2d_2layer_fullconnected_2layer", "single", 1, 64, 4000, 3, run_id="20261201T1200-7-ab")
+>>> info.epoch_csv
+'runs/20261201T1200-7-ab/cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv'
+>>> info.view_csv
+'cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv'
+
+Speedup is measured against the latest ``single`` run of the same model, global
+batch, precision, data and machine, in ``runs.csv`` and in the sweep summary alike:
+
+>>> like = {"model": "m", "global_batch": "64", "precision": "float32", "data": "d", "machine": "cpu"}
+>>> rows = [{**like, "strategy": "single", "images_per_second": "100"},
+...         {**like, "strategy": "single", "global_batch": "128", "images_per_second": "150"},
+...         {**like, "strategy": "single", "data": "2 examples", "images_per_second": "2"}]
+>>> single_throughput(rows, like)
+100.0
+"""
+
+import contextlib
+import csv
+import dataclasses
+import errno
+import fcntl
+import io
+import math
+import os
+import secrets
+import statistics
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+from keras_cnnpar.runtime.atomic import write_atomic
+from keras_cnnpar.zoo.names import MODEL_NAMES
+
+FRAMEWORK = "keras_tensorflow"
+
+RUNS_CSV = "runs.csv"
+RESULTS_LOG = "results.log"
+#: Folder of the results folder that holds one folder of files per run, named by the run's id.
+RUN_FOLDERS = "runs"
+#: Default folder of the checkpoints of interrupted runs, inside the results folder.
+CHECKPOINTS = "checkpoints"
+#: The shares of the last epoch's time split (``checks.StepTimeSplit``, in ``--checks`` runs), and its kind.
+SHARE_COLUMNS = ("compute_share", "communication_share", "input_share", "idle_share")
+SPLIT_COLUMNS = (*SHARE_COLUMNS, "time_split")
+#: Columns of ``runs.csv``, in order (documented in docs/results.md); the split's are empty without one.
+RUNS_COLUMNS = [
+    "timestamp", "model", "strategy", "devices", "global_batch", "epochs",
+    "loss", "accuracy", "val_loss", "val_accuracy",
+    "train_seconds", "images_per_second", "speedup", "efficiency", "epoch_csv",
+    "precision", "data", "run_id", "version", "tensorflow", "machine",
+    *SPLIT_COLUMNS,
+]
+BASELINE = "single"
+#: What a run and its Single baseline must share for a speedup to mean anything.
+BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a run is: the names in its files and the figures its throughput needs."""
+
+    model: str
+    strategy: str
+    devices: int
+    global_batch: int
+    samples_per_epoch: int | None
+    epochs: int
+    initial_epoch: int = 0
+    precision: str = "float32"
+    #: What identifies the training data (size and a digest of the labels), for the baseline match.
+    data: str = ""
+    #: The run's own id, in its ``runs.csv`` row and every ``results.log`` line.
+    run_id: str = ""
+    #: Provenance (``keras_cnnpar.results.provenance``): package version, TensorFlow's, the machine.
+    version: str = ""
+    tensorflow: str = ""
+    machine: str = ""
+
+    @property
+    def epoch_csv(self):
+        """This run's own epoch CSV, relative to the results folder (``runs.csv``'s ``epoch_csv`` column)."""
+        return self.own_file(".csv")
+
+    @property
+    def view_csv(self):
+        """The configuration's epoch CSV, a copy of its latest run's (the original project's name)."""
+        return run_file_name(self.model, self.strategy, self.devices)
+
+    def own_file(self, suffix):
+        """This run's own file with ``suffix`` (``runs/<run id>/<configuration><suffix>``; without an id, the
+        configuration's file)."""
+        name = run_file_name(self.model, self.strategy, self.devices, suffix)
+        return f"{RUN_FOLDERS}/{self.run_id}/{name}" if self.run_id else name
+
+
+def run_file_name(model_name, strategy, devices, suffix=".csv"):
+    """Name of a run configuration's file (its per-epoch CSV by default), in the original project's convention;
+    ``devices=None`` leaves the device count out (the checkpoint of a strategy that resumes on another count).
+
+    >>> run_file_name("m", "multi-worker", None, "")
+    'm_keras_tensorflow_multi-worker'
+    """
+    return f"{model_name}_{FRAMEWORK}_{strategy}" + ("" if devices is None else f"_{devices}dev") + suffix
+
+
+def weights_files(row):
+    """Where the weights of the run of ``runs.csv`` ``row`` go: its own file, then the configuration's (the latest
+    run's), relative to the results folder.
+
+    >>> weights_files({"epoch_csv": "runs/7/m_keras_tensorflow_single_1dev.csv"})
+    ['runs/7/m_keras_tensorflow_single_1dev.weights.h5', 'm_keras_tensorflow_single_1dev.weights.h5']
+    """
+    own = str(Path(row["epoch_csv"]).with_suffix(".weights.h5"))
+    return list(dict.fromkeys([own, Path(own).name]))
+
+
+def kind_of(file_name):
+    """The model kind (``"2+2"``, ``"3+3"`` or ``"resnet"``) whose run files start like ``file_name``, else None."""
+    return next((kind for kind, name in MODEL_NAMES.items() if Path(file_name).name.startswith(name + "_")), None)
+
+
+def model_label(model_name):
+    """The short name of a model in plots and tables: its kind (``"2+2"``) when it is one of ours, else its name.
+
+    >>> model_label("cnn2d_2layer_fullconnected_2layer"), model_label("my_cnn")
+    ('2+2', 'my_cnn')
+    """
+    return kind_of(model_name + "_") or model_name
+
+
+def new_run_id():
+    """A run's id: when it started, its process and a random part, so two runs never share one.
+
+    >>> len(new_run_id().split("-"))
+    3
+    """
+    return f"{datetime.now():%Y%m%dT%H%M%S}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def now():
+    """The timestamp written into every file of the results folder."""
+    return datetime.now().isoformat(timespec="seconds")
+
+
+def read_csv(path):
+    """The rows of a CSV file as dicts; ``[]`` when it does not exist."""
+    if not Path(path).exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+def csv_text(columns, rows):
+    """``rows`` (dicts) as CSV text with a header of ``columns``."""
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, columns, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def locked(path):
+    """``path`` opened for reading and appending (created if missing) under an exclusive ``flock``.
+
+    Every append to a shared file of the results folder (``runs.csv``,
+    ``results.log``) goes through it, so concurrent runs into one folder never
+    interleave their writes nor both write a header. A file replaced while
+    this process waited for the lock (a migrated ``runs.csv``) is opened again.
+    """
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        with _open_in_place(path) as file:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+            try:
+                if os.path.exists(path) and os.stat(path).st_ino != os.fstat(file.fileno()).st_ino:
+                    continue  # replaced while this process waited: lock the new file instead
+                file.seek(0)
+                yield file
+                file.flush()
+                os.fsync(file.fileno())
+                return
+            finally:
+                fcntl.flock(file.fileno(), fcntl.LOCK_UN)
+
+
+def _open_in_place(path):
+    """``path`` opened for reading and appending, created under the umask if missing; a symbolic link is refused
+    with a ``ValueError`` (a results file is written in place, never through a link to elsewhere)."""
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); results files are written in place, "
+                         f"never through a link: remove the link or choose another results folder. "
+                         f"Received: {path}") from None
+    return os.fdopen(descriptor, "a+", newline="", encoding="utf-8")
+
+
+def append_line(path, line):
+    """Append one whole line to a text file (the results log), creating its folder."""
+    with locked(path) as file:
+        file.seek(0, os.SEEK_END)
+        file.write(line + "\n")
+
+
+def run_throughput(epochs):
+    """Images/s of a run: the median over its epochs, leaving out the first (tracing) when there are more, and
+    the one run under the profiler for the time split (``time_split`` set) when another remains.
+
+    >>> run_throughput([{"images_per_second": 10}, {"images_per_second": 100}, {"images_per_second": 90,
+    ...                 "time_split": "trace"}])
+    100.0
+    """
+    timed = epochs[1:] or epochs
+    timed = [e for e in timed if not e.get("time_split")] or timed
+    measured = [float(e["images_per_second"]) for e in timed if e["images_per_second"] != ""]
+    return round(statistics.median(measured), 2) if measured else ""
+
+
+def single_throughput(rows, run):
+    """Images/s of the latest Single run among ``runs.csv`` ``rows`` that shares ``run``'s model, global batch,
+    precision, data and machine (:data:`BASELINE_KEYS`), or None; a key that either leaves empty never matches."""
+    def same(row):
+        return all(str(row.get(key) or "") == str(run.get(key) or "") != "" for key in BASELINE_KEYS)
+
+    matching = [r for r in rows if r.get("strategy") == BASELINE and same(r) and _number(r.get("images_per_second"))]
+    return _number(matching[-1]["images_per_second"]) if matching else None
+
+
+def _share(value):
+    """A split column's value as ``runs.csv`` holds it: a share to 4 places, the split's kind, or empty.
+
+    >>> _share(0.123456), _share(float("nan")), _share("trace"), _share("nan")
+    (0.1235, '', 'trace', '')
+    """
+    number = _number(value)
+    if number is None:
+        return value
+    return "" if math.isnan(number) else round(number, 4)
+
+
+def _number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def speedup_and_efficiency(strategy, devices, throughput, baseline):
+    """``(speedup, efficiency)`` of a run against its Single baseline; ``""`` where unknown.
+
+    >>> speedup_and_efficiency("mirrored", 2, 150.0, 100.0)
+    (1.5, 0.75)
+    """
+    if strategy == BASELINE:
+        return 1.0, 1.0
+    if not baseline or throughput == "":
+        return "", ""
+    speedup = round(float(throughput) / baseline, 4)
+    return speedup, round(speedup / int(devices), 4)
+
+
+def prepare_runs_csv(results_dir):
+    """Make ``runs.csv`` of ``results_dir`` ready for a row, before a run trains; raise ``ValueError`` if it cannot be.
+
+    A file written with an older set of columns (every one of them still in
+    ``RUNS_COLUMNS``) is migrated in place, atomically: the current header,
+    the old rows with the new columns empty; a ``UserWarning`` names the
+    added columns. A file with columns this version does not know is
+    refused, with the file, the header expected and received, and what to do; so
+    is a ``runs.csv`` or ``results.log`` that is a symbolic link.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> _ = (folder / RUNS_CSV).write_text("timestamp,model\\n2026,m\\n")
+    >>> import warnings; warnings.simplefilter("ignore")
+    >>> prepare_runs_csv(folder)
+    >>> [row["model"] for row in read_csv(folder / RUNS_CSV)], read_csv(folder / RUNS_CSV)[0]["strategy"]
+    (['m'], '')
+    """
+    for name in (RUNS_CSV, RESULTS_LOG):
+        if (Path(results_dir) / name).is_symlink():
+            _open_in_place(Path(results_dir) / name)  # refuses it, naming the link and its target
+    path = Path(results_dir) / RUNS_CSV
+    if not path.exists():
+        return
+    with locked(path) as file:
+        text = file.read()
+        migrated = _migrated(path, text)
+        if migrated != text:
+            write_atomic(path, migrated)
+
+
+def _migrated(path, text):
+    """``text`` of ``runs.csv`` under the current header (a ``UserWarning`` when it had older columns)."""
+    lines = text.splitlines(keepends=True)
+    header = next(csv.reader(lines[:1]), None)
+    if header is None or header == RUNS_COLUMNS:
+        return text
+    if not set(header) <= set(RUNS_COLUMNS) or len(set(header)) != len(header):
+        raise ValueError(f"{path}, line 1: expected the header {','.join(RUNS_COLUMNS)} (or an older one with some "
+                         f"of these columns). Received: {','.join(header)[:80]!r}; move the file aside or fix it, "
+                         f"then run again (a missing runs.csv is started anew)")
+    rows = []
+    for number, values in enumerate(csv.reader(lines[1:]), start=2):
+        if len(values) != len(header):
+            warnings.warn(f"{path}, line {number}: expected {len(header)} comma-separated values. Received: "
+                          f"{len(values)} values; the line is dropped in the migration", stacklevel=4)
+            continue
+        rows.append(dict(zip(header, values)))
+    migrated = csv_text(RUNS_COLUMNS, rows)
+    added = [column for column in RUNS_COLUMNS if column not in header]
+    warnings.warn(f"{path}: migrated to this version's columns; added {','.join(added)} (empty in the "
+                  f"{len(rows)} earlier rows)", stacklevel=4)
+    return migrated
+
+
+def append_run(results_dir, info, epochs):
+    """Append the row of a finished run (its :class:`RunInfo` and epoch rows) to ``runs.csv``; return it.
+
+    An older ``runs.csv`` is migrated first (:func:`prepare_runs_csv`, which a
+    run calls before training too). A damaged line never fails the run: lines
+    with the wrong number of values are skipped when looking for the Single
+    baseline, each with a warning that names the file and the line; a file
+    that became unusable during the run keeps its content, and the row is not
+    recorded there (a warning says so).
+    """
+    path = Path(results_dir) / RUNS_CSV
+    with locked(path) as file:
+        text = file.read()
+        try:
+            migrated = _migrated(path, text)
+        except ValueError as error:
+            warnings.warn(f"{error}; this run's row was not recorded there", stacklevel=3)
+            return None
+        throughput = run_throughput(epochs)
+        last = epochs[-1]
+        row = {
+            "timestamp": now(), "model": info.model, "strategy": info.strategy, "devices": info.devices,
+            "global_batch": info.global_batch, "epochs": last["epoch"],
+            **{key: last.get(key, "") for key in ("loss", "accuracy", "val_loss", "val_accuracy")},
+            "train_seconds": round(sum(float(e["train_seconds"]) for e in epochs), 4),
+            "images_per_second": throughput, "epoch_csv": info.epoch_csv,
+            **{key: getattr(info, key) for key in ("precision", "data", "run_id", "version", "tensorflow", "machine")},
+            **{key: _share(last.get(key, "")) for key in SPLIT_COLUMNS},
+        }
+        row["speedup"], row["efficiency"] = speedup_and_efficiency(
+            info.strategy, info.devices, throughput, single_throughput(_recorded_rows(path, migrated), row))
+        if migrated != text:  # the migrated file and the row replace the old file at once
+            write_atomic(path, migrated + csv_text(RUNS_COLUMNS, [row]).split("\n", 1)[1])
+            return row
+        file.write("" if not text or text.endswith("\n") else "\n")  # after a line cut short
+        writer = csv.DictWriter(file, RUNS_COLUMNS)
+        if not text:
+            writer.writeheader()
+        writer.writerow(row)
+    return row
+
+
+def _recorded_rows(path, text):
+    """The well-formed rows of ``text``, the content of ``runs.csv`` under the current header."""
+    lines = list(csv.reader(io.StringIO(text)))
+    if not lines:
+        return []
+    rows = []
+    for number, values in enumerate(lines[1:], start=2):
+        if len(values) != len(RUNS_COLUMNS):
+            warnings.warn(f"{path}, line {number}: expected {len(RUNS_COLUMNS)} comma-separated values. Received: "
+                          f"{len(values)} values; the line is ignored", stacklevel=3)
+            continue
+        rows.append(dict(zip(RUNS_COLUMNS, values)))
+    return rows

@@ -1,0 +1,140 @@
+"""The registry of strategies: each strategy's declared facts, read without starting TensorFlow.
+
+A strategy is a class in a module of ``keras_cnnpar/strategies/`` (or its packages) decorated
+with ``@register("alias")``. It declares, as plain class attributes, a one-line
+``description``, the device counts it runs on (``min_devices``,
+``max_devices``, ``device_multiple``), the ``cnnpar train`` option that sets
+that count (``device_option``), whether it ``keeps_checkpoints`` and whether it
+``needs_cluster`` (TensorFlow servers and processes beyond the caller's); the
+options it takes are its ``__init__`` parameters. The CLI's help and option
+checks, the sweep's plan and the tests derive from these facts, which are read
+from the source, so ``cnnpar --help`` stays instant; :func:`load` imports the
+class itself when it is needed.
+
+>>> names()
+['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
+>>> names(needs_cluster=True)
+['async-ps', 'multi-worker']
+>>> entry("hybrid").invalid(2)
+'hybrid needs a multiple of 2 devices, at least 4'
+>>> "devices" in entry("mirrored").options, "devices" in entry("single").options
+(True, False)
+"""
+
+import ast
+import dataclasses
+import functools
+import importlib
+from pathlib import Path
+
+STRATEGIES = Path(__file__).parent
+#: Class attributes a strategy declares; the base ``Strategy`` (in ``strategies/base.py``) sets their defaults.
+FACTS = ("description", "min_devices", "max_devices", "device_multiple", "device_option", "keeps_checkpoints",
+         "needs_cluster")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registered strategy: its alias, where its class is, and its declared facts."""
+
+    alias: str
+    module: str
+    class_name: str
+    options: tuple
+    description: str
+    min_devices: int
+    max_devices: int | None
+    device_multiple: int
+    device_option: str | None
+    keeps_checkpoints: bool
+    needs_cluster: bool
+
+    def invalid(self, devices):
+        """Why this strategy cannot run on ``devices`` devices, or None."""
+        if self.max_devices == self.min_devices and devices != self.min_devices:
+            return f"{self.alias} runs on {self.min_devices} device{'s' * (self.min_devices > 1)}"
+        if devices < self.min_devices or devices % self.device_multiple or \
+                (self.max_devices is not None and devices > self.max_devices):
+            if self.device_multiple > 1:
+                return f"{self.alias} needs a multiple of {self.device_multiple} devices, at least {self.min_devices}"
+            return f"{self.alias} needs at least {self.min_devices} devices"
+        return None
+
+    def load(self):
+        """The strategy class (this imports TensorFlow)."""
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+def names(**facts):
+    """The registered aliases, sorted; ``facts`` filter them, e.g. ``keeps_checkpoints=True``."""
+    return sorted(alias for alias, e in _entries().items()
+                  if all(getattr(e, key) == value for key, value in facts.items()))
+
+
+def entry(alias):
+    """The :class:`Entry` of ``alias``; an error lists the valid names."""
+    if alias not in _entries():
+        raise ValueError(f"unknown strategy {alias!r}; valid names are {names()}. Received: strategy={alias!r}")
+    return _entries()[alias]
+
+
+def entries():
+    """Every :class:`Entry`, in alias order."""
+    return [_entries()[alias] for alias in names()]
+
+
+@functools.cache
+def _entries():
+    classes = {}
+    for path in sorted(STRATEGIES.rglob("*.py")):
+        parts = path.relative_to(STRATEGIES).with_suffix("").parts
+        module = ".".join(["keras_cnnpar.strategies", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (module, node)
+    found = {}
+    for name, (module, node) in classes.items():
+        alias = _registered_alias(node)
+        if alias is not None:
+            facts = {key: _fact(classes, node, key) for key in FACTS}
+            found[alias] = Entry(alias, module, name, _options(classes, node), **facts)
+    return found
+
+
+def _registered_alias(node):
+    for decorator in node.decorator_list:
+        if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register":
+            return ast.literal_eval(decorator.args[0])
+    return None
+
+
+def _chain(classes, node):
+    """``node`` and its base classes that are defined in the strategies package, nearest first."""
+    while node is not None:
+        yield node
+        bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id in classes]
+        node = classes[bases[0]][1] if bases else None
+
+
+def _fact(classes, node, key):
+    """The value that ``node`` (or its nearest base that sets it) assigns to ``key``, as ``key = value`` or
+    within ``a, key = 1, value``; every strategy inherits one from ``Strategy``."""
+    for cls in _chain(classes, node):
+        for statement in cls.body:
+            if not isinstance(statement, ast.Assign):
+                continue
+            for target in statement.targets:
+                names = [getattr(t, "id", None) for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+                if key in names:
+                    value = ast.literal_eval(statement.value)
+                    return value[names.index(key)] if isinstance(target, ast.Tuple) else value
+    raise ValueError(f"strategy class {node.name} declares no {key}, and no base class sets it")
+
+
+def _options(classes, node):
+    for cls in _chain(classes, node):
+        for statement in cls.body:
+            if isinstance(statement, ast.FunctionDef) and statement.name == "__init__":
+                arguments = statement.args
+                return tuple(a.arg for a in [*arguments.args[1:], *arguments.kwonlyargs])
+    return ()

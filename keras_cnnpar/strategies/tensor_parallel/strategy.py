@@ -1,0 +1,530 @@
+"""Tensor parallel on DTensor meshes: ``ChannelSharded`` (channels over devices) and ``Hybrid`` (batch x channels)."""
+
+import functools
+import math
+import os
+import typing
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from keras_cnnpar.keras_compat import fused, graph, losses, rebuild
+from keras_cnnpar.runtime import devices as device_lib
+from keras_cnnpar.strategies import arguments, base, loop
+from keras_cnnpar.strategies.base import Strategy, register
+from keras_cnnpar.strategies.tensor_parallel.layers import activation_layout, to_mesh, to_numpy
+from keras_cnnpar.strategies.tensor_parallel.model import ShardedModel
+
+
+@register("channels")
+class ChannelSharded(Strategy):
+    """Tensor parallel: every Conv2D and Dense kernel is sharded over the devices' channels, with DTensor.
+
+    The model (``Sequential`` or functional) is rebuilt on a 1-D DTensor mesh
+    ``("model",)``. Its Conv2D and Dense layers become ``ChannelShardedConv2D``
+    and ``ShardedDense``: every convolution gathers its kernel for the step
+    and runs on the batch split over the devices, leaving its output split
+    (fully sharded data parallel), so BatchNormalization (statistics
+    all-reduced over the split batch), pooling, padding, flatten, dropout,
+    activations and merges between convolutions need no communication; the
+    Dense layers alternate column and row mode (output or input channels
+    sharded, partial sums all-reduced), as Megatron pairs its layers
+    (``cnnpar.sharded.ShardedModel``). Every weight and every optimizer slot
+    is a DVariable laid out like its kernel, so each device holds about
+    ``1/devices`` of the parameters at rest. A training step is
+    one ``tf.function``; the loss and metrics are computed from its
+    predictions, and validation runs the sharded model too. Supported
+    optimizers: SGD (with momentum, Nesterov) and Adam. The trained weights
+    come back unsharded into the user's model.
+
+    The layer table (mode, kernel layout, parameter bytes per device) is
+    printed and logged before training.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.devices.configure(2)
+    ['/device:CPU:0', '/device:CPU:1']
+    >>> model = cnnpar.models.cnn("3+3")
+    >>> digits = cnnpar.data.load()
+    >>> history = model.fit(digits.x[::20], digits.y[::20], batch_size=64, verbose=0, results_dir=None,
+    ...                     strategy=cnnpar.ChannelSharded(devices=2))
+
+    Args:
+        devices: number of devices on the ``"model"`` axis, or a list of device names.
+    """
+
+    description = "Conv2D/Dense kernels sharded over --devices with DTensor (tensor parallel)"
+    min_devices = 2
+    mesh_axes = ("model",)
+    sync_batchnorm = True  # every device sees the whole batch
+
+    def __init__(self, devices=2):
+        super().__init__(steps_per_execution=1)
+        self.devices = arguments.devices(devices)
+
+    def __repr__(self):
+        return f"<ChannelSharded devices={self.num_devices}>"
+
+    @property
+    def mesh_shape(self):
+        return (self.num_devices,)
+
+    def mesh(self):
+        """The DTensor mesh over this strategy's devices; an error lists the devices when there are too few."""
+        wanted = math.prod(self.mesh_shape)
+        try:
+            names = device_lib.resolve(self.devices if not isinstance(self.devices, int) else wanted)
+        except RuntimeError:
+            have = device_lib.logical_names()
+            raise ValueError(f"a mesh of {' x '.join(map(str, self.mesh_shape))} needs {wanted} devices, but "
+                             f"TensorFlow has {len(have)}: {have}. Call cnnpar.devices.configure({wanted}) before "
+                             f"TensorFlow starts, or use fewer devices. Received: {self!r}") from None
+        _gather_with_collective_gather()
+        return dtensor.create_mesh(list(zip(self.mesh_axes, self.mesh_shape)), devices=names)
+
+    def prepare(self, model, settings=None):
+        settings = settings or base.RunSettings()
+        float16 = [layer.name for layer in graph.weight_order(model)  # nested blocks' layers too
+                   if layer.compute_dtype == "float16" and not isinstance(layer, keras.layers.InputLayer)]
+        if settings.precision == "mixed_float16" or float16:
+            received = ("precision='mixed_float16'" if settings.precision == "mixed_float16" else
+                        f"a model whose layers compute in float16 (Keras's mixed_float16 policy): {float16[:3]}")
+            raise ValueError("tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no "
+                             "loss scaling, which float16 needs. Use precision='mixed_bfloat16' (or build the "
+                             f"model under that policy). Received: {received}")
+        prepared = rebuild.rebuild(model, scope=self.scope())  # the local copy that reports metrics: float32
+        compute_dtype = "bfloat16" if settings.precision == "mixed_bfloat16" else None
+        sharded_model = ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
+        optimizer = _MeshOptimizer(prepared.optimizer, sharded_model.trainable_weights,
+                                   rebuild.decayed_by(prepared), fused=settings.fused_optimizer)
+        if prepared.optimizer.built:
+            optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
+        return MeshRun(self, settings, prepared, sharded_model, optimizer)
+
+
+#: DTensor's switch from its default all-gather (a zero tensor of the gathered shape, the local shard written
+#: into it, then an all-reduce) to TensorFlow's ``CollectiveGatherV2``; read when a mesh function is compiled.
+GATHER_SWITCH = "LOWER_DTENSOR_GATHER_TO_COLLECTIVE_GATHER_V2"
+
+
+def _gather_with_collective_gather():
+    """Have DTensor all-gather with ``CollectiveGatherV2`` (unless the user set ``GATHER_SWITCH``).
+
+    The default's zero tensor is a constant of the gathered activation's shape, which TensorFlow keeps on every
+    device for as long as the step function lives, and its all-reduce moves ``devices`` times the data. The
+    channel-sharded resnet at batch 64 on two CPU devices (AMD Zen 5) held 41.5 MiB between steps and peaked
+    at 139 MiB; with ``CollectiveGatherV2``, 11.1 and 112 MiB, its communication share fell from 24-32% to
+    16% of the step, and its first-step gradients matched Single's as closely (docs/benchmarks.md).
+    """
+    os.environ.setdefault(GATHER_SWITCH, "1")
+
+
+class MeshRun(base.Run):
+    """A tensor-parallel training: the local Keras copy (``model``, which reports metrics), the ``sharded``
+    model on the mesh and its mesh ``optimizer``. Each epoch's weights and optimizer state are copied into
+    ``model``."""
+
+    def __init__(self, strategy, settings, model, sharded_model, optimizer):
+        super().__init__(strategy, settings, model)
+        self.sharded, self.optimizer = sharded_model, optimizer
+        self.loss = losses.weighted_loss(model)
+
+    def report(self):
+        return self.sharded.report()
+
+    def fit(self, train, *, epochs=1, validation_data=None, callbacks=None, initial_epoch=0, verbose=1,
+            steps_per_epoch=None, validation_steps=None, validation_freq=1, **unsupported):
+        prepared = self.model
+        steps = loop.epoch_steps(self.strategy, train, steps_per_epoch, unsupported)
+        batches = iter(train.repeat())  # one pass per epoch of a finite dataset, one iterator for all epochs
+        train_step, test_step = _steps(self.sharded, self.optimizer, self.loss)
+        update_metrics = _metrics_update(prepared)
+
+        def train_epoch(epoch, callback_list):
+            learning_rate = to_mesh(np.float64(prepared.optimizer.learning_rate), self.optimizer.scalar)
+            step = functools.partial(train_step, learning_rate=learning_rate)
+            logs = _run_batches(prepared, update_metrics, batches, steps, step, self.sharded, callback_list)
+            self._sync()
+            return logs
+
+        def validate(callback_list):
+            return _run_batches(prepared, update_metrics, iter(validation_data), validation_steps
+                                or loop.finite_steps(validation_data, "validation"), test_step, self.sharded,
+                                callback_list, phase="test")
+
+        return loop.run_epochs(prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks,
+                               verbose=verbose, initial_epoch=initial_epoch, validation_freq=validation_freq,
+                               validate=validate if validation_data is not None else None)
+
+    def reload(self):
+        self.sharded.set_weights(self.model.get_weights())
+        self.optimizer.set_state(rebuild.optimizer_state(self.model.optimizer))
+
+    def _sync(self):
+        """Copy the sharded weights and optimizer state into ``model`` (the local Keras copy)."""
+        rebuild.set_weights(self.model, self.sharded.get_weights())
+        if not self.model.optimizer.built:
+            self.model.optimizer.build(self.model.trainable_variables)
+        for variable, value in zip(rebuild.optimizer_state(self.model.optimizer), self.optimizer.get_state()):
+            variable.assign(np.reshape(value, variable.shape))
+
+
+@register("hybrid")
+class Hybrid(ChannelSharded):
+    """A 2-D DTensor mesh: the batch split over ``data`` replicas, the channels over ``model`` shards.
+
+    Each of the ``data * model`` devices holds ``1/model`` of every kernel (as
+    in ``ChannelSharded``) and computes ``batch_size / data`` of the global
+    batch; the gradients of the replicated parameters are all-reduced over the
+    ``"batch"`` axis by DTensor. A batch that ``data`` does not divide (a short
+    last batch) is computed whole by every replica, which gives the same
+    gradient. BatchNormalization takes its batch statistics over the global
+    batch (DTensor all-reduces them over ``"batch"``), so a step is
+    ``ChannelSharded``'s and ``Single``'s; ``sync_batchnorm=False`` makes
+    each replica normalize its own slice, as ``DataParallel`` then does.
+
+    Example:
+
+    >>> import keras_cnnpar as cnnpar
+    >>> cnnpar.Hybrid(data=2, model=2)
+    <Hybrid data=2 model=2>
+
+    Args:
+        data: replicas on the ``"batch"`` axis.
+        model: shards on the ``"model"`` axis.
+        sync_batchnorm: BatchNormalization statistics over the global batch
+            (True, the default) or per replica.
+    """
+
+    description = "a DTensor mesh of batch x channels, see --mesh"
+    min_devices, device_multiple = 4, 2
+    device_option = "mesh"
+    mesh_axes = ("batch", "model")
+
+    def __init__(self, data=2, model=2, *, sync_batchnorm=True):
+        super().__init__(devices=arguments.positive_int("data", data) * arguments.positive_int("model", model))
+        self.data, self.model = data, model
+        self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
+
+    def __repr__(self):
+        return f"<Hybrid data={self.data} model={self.model}>"
+
+    @property
+    def mesh_shape(self):
+        return (self.data, self.model)
+
+    @property
+    def num_replicas(self):
+        return self.data
+
+    def replica_batches(self, dataset):
+        """The batch-axis shards of the first batch: contiguous rows, as the ``"batch"`` layout splits them."""
+        x = next(iter(dataset))[0].numpy()
+        return np.array_split(x, self.data) if len(x) % self.data == 0 else [x] * self.data
+
+
+def _steps(sharded, optimizer, loss_fn):
+    """The training and test steps, each one ``tf.function`` on the mesh (the training step followed by a second
+    for the weights' constraints, where the model has any); both return (loss, predictions)."""
+    mesh = sharded.mesh
+
+    def loss_and_predictions(x, y, sample_weight, training):
+        y_pred, regularization = sharded.call_with_losses(x, training=training)
+        y, sample_weight = (None if t is None else dtensor.relayout(t, activation_layout(mesh, t.shape))
+                            for t in (y, sample_weight))
+        loss = loss_fn(y, y_pred, sample_weight=sample_weight)
+        whole = dtensor.relayout(y_pred, dtensor.Layout.replicated(mesh, y_pred.shape.rank))  # for the metrics
+        return tf.add_n([loss, *(tf.cast(term, loss.dtype) for term in regularization)]), whole
+
+    @tf.function(autograph=False)
+    def train_step(x, y, sample_weight, learning_rate):
+        with tf.GradientTape() as tape:
+            loss, y_pred = loss_and_predictions(x, y, sample_weight, True)
+        # Laid out like their variables, the gradients are all-reduced over "batch" before the update reads them.
+        variables = sharded.trainable_weights
+        gradients = [dtensor.relayout(g, v.layout) for g, v in zip(tape.gradient(loss, variables), variables)]
+        optimizer.apply(gradients, variables, learning_rate)
+        return loss, y_pred
+
+    @tf.function(autograph=False)
+    def test_step(x, y, sample_weight):
+        return loss_and_predictions(x, y, sample_weight, False)
+
+    if not sharded.constrained:
+        return train_step, test_step
+    constrain = tf.function(sharded.apply_constraints, autograph=False)
+
+    def constrained_step(*args, **kwargs):
+        # The weights' constraints after the update, in a function of their own: inside the step, DTensor did not
+        # order their read after the optimizer's assignment, and they undid the update (tests/test_functional_corpus).
+        result = train_step(*args, **kwargs)
+        constrain()
+        return result
+
+    return constrained_step, test_step
+
+
+def _run_batches(model, update_metrics, batches, steps, step, sharded, callback_list=None, phase="train"):
+    """Run ``step`` on ``steps`` batches, each preprocessed on the host (``sharded.preprocess``) and put on
+    ``sharded``'s mesh; update ``model``'s compiled metrics from the predictions; return the logs.
+
+    The loss is the batch-size-weighted mean, as Keras reports it;
+    ``update_metrics`` is ``_metrics_update(model)``. The batch hooks of
+    ``phase`` (``"train"``, or ``"test"`` for validation) are called, and the
+    logs read back after a step, only when a callback overrides one of them
+    (reading them costs a few ms a step).
+    """
+    model.reset_metrics()
+    per_batch = callback_list is not None and loop.reads_batch_logs(callback_list.callbacks, phase)
+    begin, end = (getattr(callback_list, f"on_{phase}_batch_{when}", None) for when in ("begin", "end"))
+    total, count = 0.0, 0
+
+    def logs():
+        return {**{k: float(v) for k, v in model.get_metrics_result().items()}, "loss": total / count}
+
+    for index in range(steps):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(next(batches))
+        x = _only_input(x)
+        if per_batch:
+            begin(index)
+        inputs = (sharded.preprocess(x, training=phase == "train"), y, sample_weight)
+        loss, y_pred = step(*(None if a is None else to_mesh(a, dtensor.Layout.replicated(sharded.mesh, len(a.shape)))
+                              for a in inputs))
+        total, count = total + float(dtensor.unpack(loss)[0]) * len(y), count + len(y)
+        update_metrics(x, y, dtensor.unpack(y_pred)[0], sample_weight)
+        if per_batch:
+            end(index, logs())
+    return logs()
+
+
+def _only_input(x):
+    """The one input of a batch for the mesh's one-input model: ``x`` itself, or the tensor of a dict or list that
+    holds one (Keras's ``fit`` takes ``{"image": x}`` for an input named ``"image"``).
+
+    >>> _only_input({"image": 1.0})
+    1.0
+    >>> _only_input({"image": 1.0, "label": 2.0})
+    Traceback (most recent call last):
+    ValueError: channel sharding trains a model with one input, so a batch's x is one tensor. Received: x of 2 tensors
+    """
+    tensors = tf.nest.flatten(x)
+    if len(tensors) != 1:
+        raise ValueError("channel sharding trains a model with one input, so a batch's x is one tensor. "
+                         f"Received: x of {len(tensors)} tensors")
+    return tensors[0]
+
+
+def _metrics_update(model):
+    """``model.compute_metrics`` as one traced function (run eagerly, it cost a few ms a step)."""
+
+    @tf.function(autograph=False)
+    def update(x, y, y_pred, sample_weight=None):
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return update
+
+
+class _MeshOptimizer:
+    """The update rule of a Keras SGD, Adam, AdamW, RMSprop, Adagrad, Adamax or Lion optimizer, on DVariables; each
+    slot is laid out like its variable.
+
+    Its state (``iterations``, then the slots in Keras's order: each
+    variable's for SGD and Adam, each kind's for RMSprop) moves to and from
+    the Keras optimizer, so training continues across strategies. The
+    learning rate is read from the Keras optimizer every epoch, so schedules
+    set by callbacks apply; a ``LearningRateSchedule`` given as the rate is
+    evaluated at every step. Weight decay (AdamW's, or ``weight_decay`` of any
+    of them) shrinks each variable the Keras optimizer decays (its
+    ``exclude_from_weight_decay`` kept) before the update, as Keras does, after
+    Keras's clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``). With
+    ``fused`` the updates of SGD and Adam run as TensorFlow's fused kernels
+    (``ResourceApplyAdam``, ``ResourceApplyKerasMomentum``), which DTensor runs
+    on each device's shard of a DVariable, with Keras's results (see
+    ``cnnpar.fused``); RMSprop's, and a decayed variable's, are element-wise,
+    each variable assigned once.
+
+    Args:
+        optimizer: the Keras optimizer whose rule and settings to run.
+        variables: the DVariables it updates, in the Keras model's trainable order.
+        decayed: for each of ``variables``, whether weight decay applies to it.
+        fused: whether SGD and Adam run as fused kernels.
+    """
+
+    SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity"), "AdamW": ("momentum", "velocity"),
+                              "RMSprop": ("velocity", "momentum", "average_gradient"), "Adagrad": ("accumulator",),
+                              "Adamax": ("momentum", "norm"), "Lion": ("momentum",)}
+    #: The optimizers whose update runs as a fused kernel when ``fused`` (the others' are element-wise).
+    FUSED: typing.ClassVar = ("SGD", "Adam", "AdamW")
+    #: The optimizers whose slots Keras orders by kind (every variable's first slot, then every second), not by
+    #: variable.
+    BY_KIND: typing.ClassVar = ("RMSprop",)
+    #: Settings these rules do not implement, with the value they must keep.
+    DEFAULTS: typing.ClassVar = {
+        "use_ema": False, "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
+
+    def __init__(self, optimizer, variables, decayed=None, fused=True):
+        kind = type(optimizer).__name__
+        if kind not in self.SLOTS:
+            raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
+                             f"Received: optimizer={kind}")
+        self.kind, self.config, self.fused = kind, optimizer.get_config(), fused
+        #: Keras's own clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``): on DVariables' gradients its
+        #: norms are DTensor reductions over every shard, so a sharded gradient is clipped as a whole one is.
+        self.clip = optimizer._clip_gradients
+        for key, default in self.DEFAULTS.items():
+            if self.config.get(key, default) != default:
+                raise ValueError(f"tensor-parallel training does not implement {kind}'s {key}; leave it at "
+                                 f"{default!r}. Received: {key}={self.config[key]!r}")
+        #: A ``LearningRateSchedule`` given as the rate: evaluated at every step, as Keras does (else None).
+        self.schedule = rebuild.learning_rate_schedule(optimizer)
+        decays = decayed is not None and self.config["weight_decay"]
+        self.decayed = list(decayed) if decays else [False] * len(variables)
+        mesh = dtensor.fetch_layout(variables[0]).mesh
+        self.scalar = dtensor.Layout.replicated(mesh, 0)
+        self.iterations = dtensor.DVariable(to_mesh(np.int64(0), self.scalar), name="iterations")
+        start = self.config.get("initial_accumulator_value", 0.0)  # Adagrad's accumulators start there
+        self.slots = [{name: dtensor.DVariable(to_mesh(np.full(v.shape, start if name == "accumulator" else 0.0,
+                                                               v.dtype.as_numpy_dtype), dtensor.fetch_layout(v)))
+                       for name in self._slot_names()} for v in variables]
+
+    def _slot_names(self):
+        """The slots each variable has: SGD's momentum only with a momentum, RMSprop's only with a momentum and
+        its average gradient only when centered."""
+        names = self.SLOTS[self.kind]
+        if self.kind == "SGD":
+            return names if self.config["momentum"] else ()
+        if self.kind == "RMSprop":
+            return tuple(name for name in names if name == "velocity" or (
+                self.config["momentum"] if name == "momentum" else self.config["centered"]))
+        return names
+
+    def _slots_in_keras_order(self):
+        if self.kind in self.BY_KIND:
+            return [slots[name] for name in self._slot_names() for slots in self.slots]
+        return [slot for slots in self.slots for slot in slots.values()]
+
+    def get_state(self):
+        """``[iterations, *slots]`` as numpy, in the Keras optimizer's order."""
+        return [to_numpy(self.iterations), *(to_numpy(slot) for slot in self._slots_in_keras_order())]
+
+    def set_state(self, state):
+        """Load ``[iterations, *slots]`` (Keras's optimizer variables, learning rate excluded)."""
+        self.iterations.assign(to_mesh(np.int64(state[0]), self.scalar))
+        for variable, value in zip(self._slots_in_keras_order(), state[1:]):
+            variable.assign(to_mesh(np.reshape(value, variable.shape), dtensor.fetch_layout(variable)))
+
+    def apply(self, gradients, variables, learning_rate):
+        """One update of ``variables`` (inside the training step's ``tf.function``).
+
+        The rules compute each slot's new value as a tensor and use that, never
+        read a slot back after assigning it: under DTensor a read on the 2-D mesh
+        was not ordered after the assignment, and the variable missed its update.
+        """
+        iterations = self.iterations.read_value()
+        gradients = self.clip(gradients)
+        if self.schedule is not None:  # the epoch's rate passed in is the schedule's value at the epoch's start
+            learning_rate = self.schedule(iterations)
+        rule = {"SGD": self._sgd, "RMSprop": self._rmsprop, "Adagrad": self._adagrad, "Adamax": self._adamax,
+                "Lion": self._lion}.get(self.kind, self._adam)
+        fusable = self.fused and self.kind in self.FUSED
+        for gradient, variable, slots, decayed in zip(gradients, variables, self.slots, self.decayed):
+            rate = tf.cast(learning_rate, variable.dtype)
+            if fusable and not decayed:
+                self._fused(gradient, variable, slots, rate, iterations)
+                continue
+            step = rule(gradient, slots, rate, iterations, variable.dtype)
+            value = variable.read_value()
+            if decayed:
+                value = value - value * tf.cast(self.config["weight_decay"], variable.dtype) * rate
+            variable.assign(value + step)
+        self.iterations.assign(iterations + 1)
+
+    def _sgd(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's SGD (its momentum slot assigned)."""
+        if not slots:
+            return -gradient * learning_rate
+        momentum = self.config["momentum"]
+        m = slots["momentum"] * momentum - gradient * learning_rate
+        slots["momentum"].assign(m)
+        return m * momentum - gradient * learning_rate if self.config["nesterov"] else m
+
+    def _adam(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adam (its slots assigned)."""
+        beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
+        beta_1_power, beta_2_power = self._beta_powers(iterations, dtype)
+        alpha = learning_rate * tf.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+        m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
+        v = slots["velocity"] + (tf.square(gradient) - slots["velocity"]) * (1 - beta_2)
+        slots["momentum"].assign(m)
+        slots["velocity"].assign(v)
+        return -m * alpha / (tf.sqrt(v) + self.config["epsilon"])
+
+    def _rmsprop(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's RMSprop (its slots assigned)."""
+        rho, epsilon = self.config["rho"], self.config["epsilon"]
+        velocity = rho * slots["velocity"] + (1 - rho) * tf.square(gradient)
+        slots["velocity"].assign(velocity)
+        denominator = velocity + epsilon
+        if "average_gradient" in slots:
+            average = rho * slots["average_gradient"] + (1 - rho) * gradient
+            slots["average_gradient"].assign(average)
+            denominator = velocity - tf.square(average) + epsilon
+        increment = learning_rate * gradient / tf.sqrt(denominator)
+        if "momentum" in slots:
+            increment = self.config["momentum"] * slots["momentum"] + increment
+            slots["momentum"].assign(increment)
+        return -increment
+
+    def _adagrad(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adagrad (its accumulator assigned)."""
+        accumulator = slots["accumulator"] + tf.square(gradient)
+        slots["accumulator"].assign(accumulator)
+        return -learning_rate * gradient / tf.sqrt(accumulator + self.config["epsilon"])
+
+    def _adamax(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Adamax (its slots assigned)."""
+        beta_1 = self.config["beta_1"]
+        beta_1_power = tf.pow(tf.cast(beta_1, dtype), tf.cast(iterations + 1, dtype))
+        m = slots["momentum"] + (gradient - slots["momentum"]) * (1 - beta_1)
+        u = tf.maximum(self.config["beta_2"] * slots["norm"], tf.abs(gradient))
+        slots["momentum"].assign(m)
+        slots["norm"].assign(u)
+        return -learning_rate * m / ((1 - beta_1_power) * (u + self.config["epsilon"]))
+
+    def _lion(self, gradient, slots, learning_rate, iterations, dtype):
+        """The change of the variable by Keras's Lion (its momentum assigned)."""
+        beta_1, beta_2, m = self.config["beta_1"], self.config["beta_2"], slots["momentum"]
+        step = -learning_rate * tf.sign(m * beta_1 + gradient * (1.0 - beta_1))
+        m.assign(m * beta_2 + gradient * (1.0 - beta_2))
+        return step
+
+    def _fused(self, gradient, variable, slots, learning_rate, iterations):
+        """SGD's or Adam's update of ``variable`` by TensorFlow's fused kernel."""
+        dtype = variable.dtype
+        if self.kind == "SGD":
+            if not slots:
+                variable.assign_sub(gradient * learning_rate)
+                return
+            tf.raw_ops.ResourceApplyKerasMomentum(
+                var=variable.handle, accum=slots["momentum"].handle, lr=learning_rate, grad=gradient,
+                momentum=self._scalar(self.config["momentum"], dtype), use_nesterov=self.config["nesterov"])
+            return
+        beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
+        beta_1_power, beta_2_power = self._beta_powers(iterations, dtype)
+        tf.raw_ops.ResourceApplyAdam(
+            var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
+            beta1_power=beta_1_power, beta2_power=beta_2_power,
+            lr=learning_rate * fused.second_moment_correction(beta_2, dtype), beta1=self._scalar(beta_1, dtype),
+            beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
+
+    def _beta_powers(self, iterations, dtype):
+        """Adam's ``beta_1`` and ``beta_2`` to the power of the step being taken (``iterations + 1``)."""
+        step = tf.cast(iterations + 1, dtype)
+        return (tf.pow(tf.cast(self.config[beta], dtype), step) for beta in ("beta_1", "beta_2"))
+
+    def _scalar(self, value, dtype):
+        """A hyperparameter as a replicated scalar of ``dtype`` on the mesh, as the kernels take it."""
+        return to_mesh(np.asarray(value, dtype.as_numpy_dtype), self.scalar)
