@@ -8,7 +8,7 @@ model kind and worker count the minimum, the spread (max - min) and the worst ga
 AsyncPS accuracy within 3 points of Single's for the same seed, and no run below 0.5. ``--repeats R`` trains every
 AsyncPS configuration R times per seed (Single's run is deterministic): with 4 workers on 2 cores the outcome
 depends on when each worker's steps land, and the same rule measured 1.6 and 9.2 points behind at worst in two runs
-(docs/benchmarks.md).
+(docs/measurements/2026-12-02-zen5.md).
 
 Run: python benchmarks/async_robustness.py [--seeds 5] [--repeats 1] [--epochs 3] [--models 2+2,3+3,resnet]
 [--workers 2,4]

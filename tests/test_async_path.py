@@ -161,7 +161,7 @@ def test_the_users_model_gets_the_coordinators_optimizer_state(observed_run):
 @pytest.mark.parametrize("seed", [1, 3])
 def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_3_points_of_single(seed):
     """The seed's 3+3 CNN (SGD 0.05, Nesterov momentum 0.9) collapsed in some seeds before the default warm-up
-    and the division by (1 + staleness)^2 (docs/strategies.md). Without the division (staleness_aware=False),
+    and the division by (1 + staleness)^2 (docs/async.md). Without the division (staleness_aware=False),
     4 epochs, AMD Zen 5: seed 1 0.872, **0.336**, 0.703, 0.907 and seed 3 0.902, 0.810, **0.605**, 0.819 in one
     run (the collapse depends on which worker's update lands first). The warm-up's updates are Single's, one
     after another on the same batches with the same dropout masks, so the first epoch is Single's; before the

@@ -53,7 +53,7 @@ def train(tmp_path, *args, timeout=400):
 
 def test_a_local_cluster_trains_the_resnet_to_single_s_floor(tmp_path):
     """The resnet: BatchNormalization under asynchronous steps, whose moving averages of stale weights cost up to
-    13 points before AsyncPS recomputed them after each epoch (precise BN, docs/strategies.md). Single's floor
+    13 points before AsyncPS recomputed them after each epoch (precise BN, docs/async.md). Single's floor
     (Single itself: 0.951 here); the gap to Single seed by seed is benchmarks/async_robustness.py's."""
     result = train(tmp_path, "--model", "resnet", "--strategy", "async-ps", "--workers", "2", "--ps", "1",
                    "--epochs", "3")
@@ -83,11 +83,11 @@ def test_a_local_cluster_trains_the_resnet_to_single_s_floor(tmp_path):
     assert "first 64 updates one group at a time; each gradient divided by (1 + its staleness); validated and " \
            "returned: the weights' moving average (ema_momentum=0.95); BatchNormalization statistics recomputed " \
            "from 16 batches after each epoch" in log
-    assert "learning rate x1 (scale_lr=None)" in log  # the default keeps the rate (docs/strategies.md)
+    assert "learning rate x1 (scale_lr=None)" in log  # the default keeps the rate (docs/async.md)
 
 
 def test_two_parameter_servers_share_the_variables_and_a_bfloat16_run_exports(tmp_path):
-    # bfloat16 where the CPU computes it (emulated, it is 5x slower than float32: docs/benchmarks.md).
+    # bfloat16 where the CPU computes it (emulated, it is 5x slower than float32: docs/precision.md).
     precision = "mixed_bfloat16" if hardware.native_bfloat16() else "float32"
     train(tmp_path, "--strategy", "async-ps", "--workers", "2", "--ps", "2", "--epochs", "1", "--export", "models",
           "--precision", precision)

@@ -46,7 +46,7 @@ JOB = Path(__file__).with_name("multi_worker_job.py")
 RUN = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker_2dev"
 CHECKPOINT = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_multi-worker"  # any number of workers
 RUN_3_PLUS_3 = "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_multi-worker_2dev"
-#: The exit code of a preempted worker, as docs/strategies.md documents it.
+#: The exit code of a preempted worker, as docs/multi_worker.md documents it.
 PREEMPTED = 42
 
 

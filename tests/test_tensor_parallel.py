@@ -348,7 +348,8 @@ def test_a_mesh_larger_than_the_devices_lists_them():
 @pytest.mark.parametrize("users_value", [None, "yes"])
 def test_the_mesh_has_dtensor_gather_with_collective_gather_unless_the_user_chose(monkeypatch, users_value):
     # DTensor's default all-gather on CPU keeps a constant zero tensor of every gathered activation's shape on
-    # every device (docs/benchmarks.md: 41.5 of the resnet's 139 MiB); the switch is read at compile time.
+    # every device (41.5 of the resnet's 139 MiB, docs/measurements/2026-12-02-zen5.md); the switch is read at
+    # compile time.
     if users_value is None:
         monkeypatch.delenv(tensor_parallel.GATHER_SWITCH, raising=False)
     else:

@@ -150,7 +150,7 @@ def _thread_share(workers):
     """TensorFlow thread pools for one of ``workers`` processes sharing this machine's cores (unless set already).
 
     Each process would otherwise size its pools for every core, and the
-    workers would compete for them (figures in docs/benchmarks.md).
+    workers would compete for them (figures in docs/measurements/2026-11-29-intel.md).
     """
     return {"TF_NUM_INTRAOP_THREADS": str(max(1, (os.cpu_count() or 1) // workers)), "TF_NUM_INTEROP_THREADS": "2"}
 

@@ -95,7 +95,7 @@ def exposure_warning(what, ports=()):
     where = f" (ports {listed})" if ports else ""
     return (f"warning: the TensorFlow servers of the {what} listen on every network interface{where} and run any "
             f"graph sent to them, unauthenticated; on a shared network, block them, e.g. `iptables -I INPUT -p tcp "
-            f"-m multiport --dports {listed} ! -i lo -j DROP` (docs/strategies.md, Security)")
+            f"-m multiport --dports {listed} ! -i lo -j DROP` (docs/hosts.md, Security)")
 
 
 def loopback_up():

@@ -203,7 +203,7 @@ def serve(cluster, job, index, announce=False, starter=None):
     The task's host must be an address of this machine (or a name that
     resolves to one): the spec is what the other tasks dial. TensorFlow's
     server listens on every interface at the task's port; it runs any graph
-    sent to it, unauthenticated (docs/strategies.md, Security). A worker's
+    sent to it, unauthenticated (docs/hosts.md, Security). A worker's
     server gets ``inter_op_parallelism_threads >= workers + 1``: with fewer, a
     parameter-server cluster hangs. ``announce`` prints one line once the
     server is up (``cnnpar cluster serve``). With ``starter`` (a process id),

@@ -2,11 +2,11 @@
 
 Machines differ: TensorFlow turns its oneDNN kernels on by default only on x86
 CPUs with AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX, and runs bfloat16
-natively only with AVX512-BF16 or AMX-BF16 (elsewhere it emulates it, at about
-a fifth of float32's speed; docs/benchmarks.md). ``import keras_cnnpar``
-calls :func:`enable_onednn` before TensorFlow starts, so the convolutions of
-an AVX2-only CPU run on oneDNN too (twice as fast there), unless the user set
-``TF_ENABLE_ONEDNN_OPTS`` themselves. Nothing here imports TensorFlow at
+natively only with AVX512-BF16 or AMX-BF16 (elsewhere it emulates it, far
+slower than float32; docs/precision.md). ``import keras_cnnpar`` calls
+:func:`enable_onednn` before TensorFlow starts, so the convolutions of an
+AVX2-only CPU run on oneDNN too (faster there under every strategy), unless
+the user set ``TF_ENABLE_ONEDNN_OPTS`` themselves. Nothing here imports TensorFlow at
 module level.
 
 >>> machine = Cpu("AMD EPYC", frozenset({"avx2", "fma"}), x86=True)
@@ -29,10 +29,10 @@ ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
 ONEDNN_DEFAULT_FLAGS = ("avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
 #: CPU flags of native bfloat16 arithmetic.
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
-#: The speed of mixed_bfloat16 relative to float32 measured on a CPU without native bfloat16: an AMD EPYC with AVX2
-#: only, oneDNN on as keras_cnnpar turns it on there, 126 against 1,563 images/s (docs/benchmarks.md, 2026-12-05).
+#: The speed of mixed_bfloat16 relative to float32 on a CPU without native bfloat16, as the warning quotes it: Single
+#: on the 2+2 CNN, AVX2 only, oneDNN on as keras_cnnpar turns it on there (docs/measurements/2026-12-05-avx2.md).
 EMULATED_BFLOAT16_SPEED = 0.08
-#: How much faster Single trained the 2+2 CNN with oneDNN than without on that CPU: 1,563 against 947 images/s.
+#: How much faster Single trained the 2+2 CNN with oneDNN than without on such a CPU (the same record).
 ONEDNN_SPEEDUP_WITHOUT_AVX512 = 1.65
 #: What :func:`enable_onednn` says when TensorFlow started before it could act.
 _STARTED_TOO_EARLY = "off: TensorFlow started before keras_cnnpar could turn it on (import keras_cnnpar first)"

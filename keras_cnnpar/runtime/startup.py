@@ -36,9 +36,8 @@ _CHATTER = re.compile(r"WARNING: All log messages before absl::InitializeLog|[IW
 
 #: What Keras imports at start-up when it is installed, for features no process of ours uses: its scikit-learn
 #: wrappers, pandas DataFrames as fit's input, matplotlib's pyplot for its image gallery, IPython for its file
-#: editor's notebook display. Importing TensorFlow (which imports Keras) took 7.7 and 8.1 s with the first three,
-#: 5.7 and 5.4 s without (wall time of ``python -c "import tensorflow"``, AMD Zen 4, 2 cores); matplotlib's share
-#: 0.6 s, IPython's 0.2-0.5 s (AMD EPYC, AVX2 only).
+#: editor's notebook display. Skipping them takes seconds off every process's import of TensorFlow (which imports
+#: Keras); the figures: docs/measurements/2026-12-03-zen4.md and docs/measurements/2026-12-05-avx2.md.
 KERAS_EXTRAS = ("sklearn", "pandas", "matplotlib", "IPython")
 
 
@@ -83,10 +82,10 @@ def run_module(argv):
 
 def exit_now(code=0):
     """End this process with ``code`` after its exit handlers and with its output flushed, skipping the
-    interpreter's teardown of TensorFlow's modules: 1.0-1.5 CPU-seconds per process that loaded TensorFlow
-    (``python -c "import tensorflow"`` against the same ending in ``os._exit(0)``, AMD EPYC with AVX2 only), paid
-    by every ``cnnpar`` command and coordinator process. For a process's last line, once its files are closed:
-    ``atexit`` handlers (temporary folders' finalizers among them) and the logging module's shutdown still run.
+    interpreter's teardown of TensorFlow's modules, which costs every process that loaded TensorFlow about a
+    CPU-second more (docs/measurements/2026-12-05-avx2.md): every ``cnnpar`` command and coordinator process. For
+    a process's last line, once its files are closed: ``atexit`` handlers (temporary folders' finalizers among
+    them) and the logging module's shutdown still run.
 
     >>> import subprocess, sys
     >>> code = "from keras_cnnpar import startup; print('written', end=''); startup.exit_now(3)"
@@ -112,8 +111,8 @@ def quiet_start(keras=True):
     ``TF_CPP_MIN_LOG_LEVEL`` is set): a process of the library's own, or the command line's.
 
     ``keras=False``: without Keras at all, for a process that only runs the
-    graphs sent to its TensorFlow server (``import tensorflow`` 3.6 and 4.7 s
-    without Keras, 4.8 and 6.0 s with it; AMD EPYC, AVX2 only, 2 cores).
+    graphs sent to its TensorFlow server, which then imports TensorFlow
+    about a second faster (docs/measurements/2026-12-05-avx2.md).
     """
     if "tensorflow" in sys.modules:
         return

@@ -93,7 +93,7 @@ def _mirrored_strategy(devices):
     TensorFlow then aborts the second model's all-reduce with "Shape mismatch in
     the collective instance 100"; sharing the instance keeps the numbers apart.
     On CPU devices, gradients are summed on one device (``ReductionToOneDevice``),
-    which was faster per step than collective all-reduce on CPUs (docs/benchmarks.md).
+    which was faster per step than collective all-reduce on CPUs (docs/measurements/2026-11-29-intel.md).
     """
     on_cpu = all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices)
     reduction = tf.distribute.ReductionToOneDevice() if on_cpu else None  # None: NCCL on GPUs

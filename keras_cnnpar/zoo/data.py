@@ -320,7 +320,8 @@ def untuned(dataset):
     With autotuning on (TensorFlow's default), every iterator runs a model thread that sleeps between
     optimizations for a period that doubles up to seconds, and deleting the iterator waits for that thread to
     wake. Keras's ``fit`` makes a new iterator each epoch and deletes the last one, so an epoch could start
-    seconds late (1.8-2.5 s measured, every second or third epoch of the resnet, with both cores idle). The
+    seconds late (1.8-2.5 s, every second or third epoch of the resnet, with both cores idle:
+    docs/measurements/2026-12-04-zen4.md). The
     pipelines built here read arrays already in memory and have nothing to tune: ``prefetch(AUTOTUNE)``
     keeps growing its buffer by itself. A user's own ``tf.data.Dataset`` is left as given, and so are the batches
     of a generator or ``PyDataset`` (:func:`python_batches`), whose ``on_epoch_end`` runs when a pass is read.

@@ -458,7 +458,7 @@ def moments(x, axes, keepdims=False):
     step drops that dependency, so every normalization's ``x - mean`` ran in
     the forward pass and stayed alive until its gradient: one more activation
     per layer, 8 MiB per device of the channel-sharded resnet's 24.7 at batch 64
-    (docs/plan.md). Here the input's gradient is ``x * a + b`` with ``a`` and
+    (docs/measurements/2026-12-04-zen4.md). Here the input's gradient is ``x * a + b`` with ``a`` and
     ``b`` made of the incoming gradient, so it waits for it.
 
     >>> x = tf.random.normal((4, 3, 3, 2), dtype=tf.float64)
@@ -886,10 +886,11 @@ def depthwise_conv(x, kernel, strides, padding):
 def formulation(mode, window, strides, padded_shape, shards, batch_axis=False):
     """How a channel-sharded convolution (``mode``, a ``window`` with ``strides``) of a padded input of
     ``padded_shape`` (NHWC, the whole batch and channels) runs over ``shards`` model shards, by the rules
-    measured in docs/benchmarks.md. On a mesh with a ``"batch"`` axis (``batch_axis``) always ``"split
+    measured in docs/measurements/2026-12-01-zen4.md. On a mesh with a ``"batch"`` axis (``batch_axis``) always ``"split
     batch"`` (``conv_on_split_batch``, over ``"batch"``: the ``"model"`` devices of a replica compute the same
     convolution; DTensor shards a tensor axis over one mesh axis, so the batch cannot also go over
-    ``"model"``); it measured 1.2-1.9x im2col's images/s for the 3+3 and the resnet under ``Hybrid(2, 2)``.
+    ``"model"``); it measured 1.2-1.9x im2col's images/s for the 3+3 and the resnet under ``Hybrid(2, 2)``
+    (docs/measurements/2026-12-04-zen4.md).
     Without one: ``"split batch"`` (over ``"model"``) in column (and whole) mode and for row-mode outputs larger than
     14x14 where the shards divide the batch, ``"filter gradient"`` (``conv_as_filter_gradient``) for
     row-mode, stride-1 outputs larger than 7x7 up to 14x14, else ``"im2col"`` (``conv_as_matmul``).
