@@ -1,5 +1,6 @@
-"""The memory estimate per device (``keras_cnnpar.plan.memory``) against the allocator's peak in a plan trial, for the
-resnet under Single, DataParallel(2) and ChannelSharded(2) at several global batches (target: within 25%).
+"""The memory estimate per device (``keras_cnnpar.strategies.memory``) against the allocator's peak in a plan
+trial, for the resnet under Single, DataParallel(2) and ChannelSharded(2) at several global batches (target: within
+25%).
 
 The measured figure is a plan trial's: the allocator's peak during the timed epochs, above the memory in use when
 the trial's fit began, divided by the devices (TensorFlow's CPU allocator serves every logical CPU device).

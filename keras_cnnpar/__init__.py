@@ -23,7 +23,8 @@ import os
 import warnings
 
 from keras_cnnpar import moved
-from keras_cnnpar.cluster.spec import JOIN_AT_IMPORT, cluster_in_environment
+from keras_cnnpar.cluster import environments
+from keras_cnnpar.cluster.spec import JOIN_AT_IMPORT
 from keras_cnnpar.runtime import hardware
 from keras_cnnpar.strategies import registry
 
@@ -61,8 +62,8 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 moved.install()  # the modules' old paths (`keras_cnnpar.runs`, ...) still import, with a deprecation warning
 
 
-if os.environ.get(JOIN_AT_IMPORT) == "1" and cluster_in_environment():
-    # A worker started by `cnnpar launch` (or set up so on a host, or by srun): join before any model exists.
+if os.environ.get(JOIN_AT_IMPORT) == "1" and environments.detect() is not None:
+    # A worker started by `cnnpar launch` (or set up so on a host, by srun, by a Job): join before any model exists.
     importlib.import_module("keras_cnnpar.strategies.multi_worker").joined(
         timeout=float(os.environ.get("CNNPAR_COLLECTIVE_TIMEOUT", "60")))
 

@@ -37,7 +37,7 @@ MOVED = {
     "hardware": "runtime.hardware",
     "layers": "strategies.tensor_parallel",
     "local_workers": "cluster.local_workers",
-    "memory": "plan.memory",
+    "memory": "strategies.memory",
     "models": "zoo.models",
     "network": "cluster.network",
     "planner": "plan.planner",

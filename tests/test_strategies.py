@@ -9,9 +9,9 @@ import tensorflow as tf
 import keras_cnnpar as cnnpar
 from keras_cnnpar import strategies
 from keras_cnnpar.keras_compat import rebuild
-from keras_cnnpar.plan import checks, memory
+from keras_cnnpar.plan import checks
 from keras_cnnpar.runtime import devices
-from keras_cnnpar.strategies import registry
+from keras_cnnpar.strategies import memory, registry
 from tests.helpers import (
     IN_PROCESS,
     build_small_cnn,

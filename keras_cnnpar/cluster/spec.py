@@ -30,28 +30,6 @@ from keras_cnnpar.cluster.network import free_ports, route_address
 JOIN_AT_IMPORT = "CNNPAR_MULTI_WORKER"
 
 
-#: The first port of a cluster built from a Slurm job step (a node's tasks take the next ones); TensorFlow's default.
-SLURM_PORT = "CNNPAR_SLURM_PORT"
-
-
-def slurm_step():
-    """Whether this process is a task of a Slurm job step (``srun`` sets ``SLURM_PROCID`` and
-    ``SLURM_STEP_NODELIST``) and no ``TF_CONFIG`` says otherwise: the cluster is then built from Slurm's
-    variables, one worker per task (``keras_cnnpar.strategies.multi_worker.environment_task``).
-
-    >>> import os; os.environ.pop("TF_CONFIG", None); os.environ.pop("SLURM_PROCID", None)
-    >>> slurm_step()
-    False
-    """
-    return not os.environ.get("TF_CONFIG") and all(os.environ.get(name) for name in ("SLURM_PROCID",
-                                                                                     "SLURM_STEP_NODELIST"))
-
-
-def cluster_in_environment():
-    """Whether the environment describes this process's cluster: ``TF_CONFIG``, or a Slurm job step."""
-    return bool(os.environ.get("TF_CONFIG")) or slurm_step()
-
-
 #: Jobs whose tasks train; the rest (``ps``, ``evaluator``) do not count as workers.
 TRAINING_JOBS = ("chief", "worker")
 
@@ -70,12 +48,7 @@ class Task:
         holding one, or None for the ``TF_CONFIG`` environment variable."""
         source = "TF_CONFIG"
         if config is None:
-            if not os.environ.get("TF_CONFIG"):
-                raise ValueError("no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass "
-                                 "cluster=<dict or JSON file>, or start N workers on this machine with `cnnpar "
-                                 "launch --workers N python your_script.py` (or `cnnpar train --strategy "
-                                 "multi-worker --workers N`). Received: TF_CONFIG=''")
-            config = parse_json(os.environ["TF_CONFIG"], "TF_CONFIG")
+            config = read_tf_config(os.environ)
         elif isinstance(config, (str, Path)):
             source, config = str(config), _json_file(config)
         if not isinstance(config, dict):
@@ -89,6 +62,11 @@ class Task:
         return self.type == "chief" or (self.type == "worker" and self.index == 0 and "chief" not in self.cluster)
 
     @property
+    def chief(self):
+        """The chief's address: the ``chief`` task's, or worker 0's without one."""
+        return (self.cluster.get("chief") or self.cluster["worker"])[0]
+
+    @property
     def num_workers(self):
         return sum(len(self.cluster.get(job, ())) for job in TRAINING_JOBS)
 
@@ -97,6 +75,26 @@ class Task:
 
     def __repr__(self):
         return f"<Task {self.type}:{self.index} of {({job: len(a) for job, a in self.cluster.items()})}>"
+
+
+def read_tf_config(environ):
+    """The JSON object in ``environ``'s ``TF_CONFIG``; a ``ValueError`` saying how to give a cluster without one.
+
+    >>> read_tf_config({"TF_CONFIG": '["worker"]'})
+    Traceback (most recent call last):
+    ValueError: TF_CONFIG: expected a JSON object with a 'cluster' and a 'task'. Received: TF_CONFIG='["worker"]'
+    """
+    text = environ.get("TF_CONFIG")
+    if not text:
+        raise ValueError("no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass cluster=<dict or JSON "
+                         "file>, or start N workers on this machine with `cnnpar launch --workers N python "
+                         "your_script.py` (or `cnnpar train --strategy multi-worker --workers N`). "
+                         "Received: TF_CONFIG=''")
+    config = parse_json(text, "TF_CONFIG")
+    if not isinstance(config, dict):
+        raise ValueError(f"TF_CONFIG: expected a JSON object with a 'cluster' and a 'task'. "
+                         f"Received: TF_CONFIG={text[:80]!r}")
+    return config
 
 
 def _json_file(path):

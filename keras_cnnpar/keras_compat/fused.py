@@ -52,10 +52,44 @@ False
 """
 
 import functools
+import typing
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+
+class Rule(typing.NamedTuple):
+    """A Keras optimizer's update as this package knows it: the slots each variable has, in Keras's order,
+    with the Keras attribute that lists each slot's variables, and the TensorFlow kernel that applies the
+    update, or None. The fused Keras optimizers (:func:`fuse`) and the tensor-parallel mesh optimizer read
+    the same table, :data:`RULES`.
+
+    A kernel is ``kernel(hyper, var, slots, grad, lr, iterations, scalar)``: ``hyper`` the optimizer's
+    settings (``beta_1``, ``momentum``, ... as in its config), ``var`` the variable, ``slots`` its slot
+    variables by name, ``iterations`` the steps taken before this one, and ``scalar(value)`` a
+    hyperparameter as a scalar tensor of the variable's dtype where the kernel runs.
+    """
+
+    slots: tuple
+    attributes: dict
+    kernel: typing.Callable | None = None
+
+
+def _rules():
+    adam = Rule(("momentum", "velocity"),
+                {"momentum": "_momentums", "velocity": "_velocities", "velocity_hat": "_velocity_hats"}, _adam)
+    return {
+        "SGD": Rule(("momentum",), {"momentum": "momentums"}, _sgd),
+        "Adam": adam,
+        "AdamW": adam,
+        "RMSprop": Rule(("velocity", "momentum", "average_gradient"),
+                        {"velocity": "_velocities", "momentum": "_momentums", "average_gradient": "_average_gradients"},
+                        _rmsprop),
+        "Adagrad": Rule(("accumulator",), {"accumulator": "_accumulators"}, _adagrad),
+        "Adamax": Rule(("momentum", "norm"), {}),
+        "Lion": Rule(("momentum",), {}),
+    }
 
 
 def fuse(optimizer):
@@ -76,37 +110,38 @@ def _kernel(optimizer):
     """The fused update function for ``optimizer``'s rule and options, or None."""
     if isinstance(optimizer, keras.optimizers.RMSprop) and not optimizer.momentum:
         return None  # every TensorFlow RMSProp kernel keeps a momentum slot, which this optimizer lacks
-    for keras_class, kernel in _KERNELS.items():
+    for keras_class in (keras.optimizers.Adam, keras.optimizers.SGD, keras.optimizers.RMSprop,
+                        keras.optimizers.Adagrad):
         if type(optimizer).update_step is keras_class.update_step:
-            return kernel
+            return RULES[keras_class.__name__]
     return None
 
 
-def _fused_update(kernel, optimizer, keras_update, gradient, variable, learning_rate):
-    """``update_step`` through ``kernel``; Keras's own where the kernel cannot take the variable or gradient."""
+def _fused_update(rule, optimizer, keras_update, gradient, variable, learning_rate):
+    """``update_step`` through ``rule``'s kernel; Keras's own where the kernel cannot take the variable or
+    gradient."""
     dtype = variable.dtype
     if dtype not in (tf.float32, tf.float64) or not hasattr(variable, "handle") or isinstance(
             gradient, tf.IndexedSlices):
         return keras_update(gradient, variable, learning_rate)
-    return kernel(optimizer, optimizer._get_variable_index(variable), variable.handle, tf.cast(gradient, dtype),
-                  tf.cast(learning_rate, dtype), dtype)
+    index = optimizer._get_variable_index(variable)
+    slots = {name: getattr(optimizer, attribute)[index].value  # this replica's, inside a distributed update
+             for name, attribute in rule.attributes.items() if getattr(optimizer, attribute, None)}
+    return rule.kernel(vars(optimizer), variable, slots, tf.cast(gradient, dtype), tf.cast(learning_rate, dtype),
+                       optimizer.iterations, functools.partial(tf.cast, dtype=dtype))
 
 
-def _handle(slot):
-    """The resource handle of a Keras slot variable (on this replica, inside a distributed update)."""
-    return slot.value.handle
-
-
-def _adam(optimizer, index, var, grad, lr, dtype):
-    beta_1, beta_2 = tf.cast(optimizer.beta_1, dtype), tf.cast(optimizer.beta_2, dtype)
-    step = tf.cast(optimizer.iterations + 1, dtype)
-    lr = lr * second_moment_correction(optimizer.beta_2, dtype)
-    arguments = {"var": var, "m": _handle(optimizer._momentums[index]), "v": _handle(optimizer._velocities[index]),
-                 "beta1_power": tf.pow(beta_1, step), "beta2_power": tf.pow(beta_2, step), "lr": lr,
-                 "beta1": beta_1, "beta2": beta_2, "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad,
-                 "use_locking": True}
-    if optimizer.amsgrad:
-        return tf.raw_ops.ResourceApplyAdamWithAmsgrad(vhat=_handle(optimizer._velocity_hats[index]), **arguments)
+def _adam(hyper, var, slots, grad, lr, iterations, scalar):
+    dtype = grad.dtype
+    step = tf.cast(iterations + 1, dtype)
+    beta_1, beta_2 = scalar(hyper["beta_1"]), scalar(hyper["beta_2"])
+    arguments = {"var": var.handle, "m": slots["momentum"].handle, "v": slots["velocity"].handle,
+                 "beta1_power": tf.pow(tf.cast(hyper["beta_1"], dtype), step),
+                 "beta2_power": tf.pow(tf.cast(hyper["beta_2"], dtype), step),
+                 "lr": lr * second_moment_correction(hyper["beta_2"], dtype), "beta1": beta_1, "beta2": beta_2,
+                 "epsilon": scalar(hyper["epsilon"]), "grad": grad, "use_locking": True}
+    if hyper.get("amsgrad"):
+        return tf.raw_ops.ResourceApplyAdamWithAmsgrad(vhat=slots["velocity_hat"].handle, **arguments)
     return tf.raw_ops.ResourceApplyAdam(**arguments)
 
 
@@ -126,37 +161,33 @@ def second_moment_correction(beta_2, dtype):
     return float(np.sqrt(np.float64(kernel_rate) / np.float64(keras_rate)))
 
 
-def _sgd(optimizer, index, var, grad, lr, dtype):
-    if not optimizer.momentum:
-        return tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad, use_locking=True)
+def _sgd(hyper, var, slots, grad, lr, iterations, scalar):
+    if not hyper["momentum"]:
+        return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=grad, use_locking=True)
     return tf.raw_ops.ResourceApplyKerasMomentum(
-        var=var, accum=_handle(optimizer.momentums[index]), lr=lr, grad=grad,
-        momentum=tf.cast(optimizer.momentum, dtype), use_nesterov=optimizer.nesterov, use_locking=True)
+        var=var.handle, accum=slots["momentum"].handle, lr=lr, grad=grad, momentum=scalar(hyper["momentum"]),
+        use_nesterov=hyper["nesterov"], use_locking=True)
 
 
-def _rmsprop(optimizer, index, var, grad, lr, dtype):
-    arguments = {"var": var, "ms": _handle(optimizer._velocities[index]), "mom": _handle(optimizer._momentums[index]),
-                 "lr": lr, "rho": tf.cast(optimizer.rho, dtype), "momentum": tf.cast(optimizer.momentum, dtype),
-                 "epsilon": tf.cast(optimizer.epsilon, dtype), "grad": grad, "use_locking": True}
-    if optimizer.centered:
-        return tf.raw_ops.ResourceApplyCenteredRMSProp(mg=_handle(optimizer._average_gradients[index]), **arguments)
+def _rmsprop(hyper, var, slots, grad, lr, iterations, scalar):
+    arguments = {"var": var.handle, "ms": slots["velocity"].handle, "mom": slots["momentum"].handle, "lr": lr,
+                 "rho": scalar(hyper["rho"]), "momentum": scalar(hyper["momentum"]),
+                 "epsilon": scalar(hyper["epsilon"]), "grad": grad, "use_locking": True}
+    if hyper["centered"]:
+        return tf.raw_ops.ResourceApplyCenteredRMSProp(mg=slots["average_gradient"].handle, **arguments)
     return tf.raw_ops.ResourceApplyRMSProp(**arguments)
 
 
-def _adagrad(optimizer, index, var, grad, lr, dtype):
-    accumulator = optimizer._accumulators[index].value
-    epsilon = tf.cast(optimizer.epsilon, dtype)
+def _adagrad(hyper, var, slots, grad, lr, iterations, scalar):
+    accumulator = slots["accumulator"]
+    epsilon = tf.cast(hyper["epsilon"], grad.dtype)
     shifted = accumulator.assign_add(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
     with tf.control_dependencies([shifted]):
-        applied = tf.raw_ops.ResourceApplyAdagradV2(var=var, accum=accumulator.handle, lr=lr,
-                                                    epsilon=tf.zeros([], dtype), grad=grad, use_locking=True)
+        applied = tf.raw_ops.ResourceApplyAdagradV2(var=var.handle, accum=accumulator.handle, lr=lr,
+                                                    epsilon=tf.zeros([], grad.dtype), grad=grad, use_locking=True)
     with tf.control_dependencies([applied]):
         return accumulator.assign_sub(tf.fill(tf.shape(accumulator), epsilon), read_value=False)
 
 
-_KERNELS = {
-    keras.optimizers.Adam: _adam,
-    keras.optimizers.SGD: _sgd,
-    keras.optimizers.RMSprop: _rmsprop,
-    keras.optimizers.Adagrad: _adagrad,
-}
+#: Every optimizer this package knows the update of, by Keras class name (see :class:`Rule`).
+RULES = _rules()

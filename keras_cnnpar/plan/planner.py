@@ -5,7 +5,7 @@ measure. :func:`plan` tries every configuration the registry says can run on
 the devices (alias, device split, micro-batches), each on a short trial of
 the user's model and data:
 
-1. the memory estimate per device (:mod:`keras_cnnpar.plan.memory`);
+1. the memory estimate per device (:mod:`keras_cnnpar.strategies.memory`);
 2. the first-step gradient parity with Single (:mod:`keras_cnnpar.plan.checks`);
 3. a few warm steps timed (the median of ``TIMED_EPOCHS`` epochs of
    ``TRIAL_STEPS`` steps, after one that traces the functions; the
@@ -28,8 +28,8 @@ Example:
 
 >>> import keras_cnnpar as cnnpar
 >>> [str(c) for c in configurations(2, batch_size=64)]  # doctest: +NORMALIZE_WHITESPACE
-['single', 'mirrored devices=2', 'layers devices=2 microbatches=1', 'layers devices=2 microbatches=2',
- 'layers devices=2 microbatches=4', 'channels devices=2', 'async-ps workers=2']
+['single', 'async-ps workers=2', 'channels devices=2', 'layers devices=2 microbatches=1',
+ 'layers devices=2 microbatches=2', 'layers devices=2 microbatches=4', 'mirrored devices=2']
 >>> [str(c) for c in configurations(4, batch_size=64) if c.alias == "hybrid"]
 ['hybrid data=2 model=2']
 """
@@ -57,11 +57,11 @@ import tensorflow as tf
 from keras_cnnpar import __version__, strategies
 from keras_cnnpar.engine import fitting
 from keras_cnnpar.keras_compat import rebuild
-from keras_cnnpar.plan import checks, memory, timesplit
+from keras_cnnpar.plan import checks, timesplit
 from keras_cnnpar.results import provenance, runs
 from keras_cnnpar.runtime import devices as device_lib
 from keras_cnnpar.runtime.atomic import write_atomic
-from keras_cnnpar.strategies import registry
+from keras_cnnpar.strategies import memory, registry
 
 #: Steps of a trial's epoch: one epoch traces the functions, ``TIMED_EPOCHS`` are timed, one more is profiled.
 TRIAL_STEPS = 8
@@ -72,8 +72,6 @@ TRIAL_BATCHES = TRIAL_STEPS * (TIMED_EPOCHS + 2)
 #: Eligible configurations within this fraction of the fastest one are timed once more, in the reverse order, and
 #: keep the mean of their two figures: the fastest of several noisy trials reads high by selection (docs/plan.md).
 CONTENDER_MARGIN = 0.15
-#: Micro-batch counts a layer placement is tried with.
-MICROBATCHES = (1, 2, 4)
 #: Communication share above which a row's advice is to communicate less (the original project's 20-30%).
 COMMUNICATION_ADVICE = 0.25
 #: Idle share above which a row's advice is to keep the devices busier.
@@ -99,24 +97,11 @@ class Configuration:
 
 
 def configurations(devices, batch_size):
-    """Every configuration the registry allows on ``devices`` devices, in the order they are tried.
-
-    Multi-worker is left out: its workers are processes that ``cnnpar launch`` starts, each one a ``fit``.
-    """
-    found = [Configuration("single")]
-    for alias in ("mirrored", "layers", "channels", "hybrid", "async-ps"):
-        entry = registry.entry(alias)
-        if devices < 2 or entry.invalid(devices):
-            continue
-        if alias == "layers":
-            found += [Configuration(alias, (("devices", devices), ("microbatches", m)))
-                      for m in MICROBATCHES if batch_size % m == 0]
-        elif alias == "hybrid":
-            found += [Configuration(alias, (("data", d), ("model", devices // d)))
-                      for d in range(2, devices // 2 + 1) if devices % d == 0]
-        else:
-            found.append(Configuration(alias, ((entry.device_option, devices),)))
-    return found
+    """Every configuration the registered strategies offer on ``devices`` devices (each says which,
+    ``Strategy.configurations``), in the order they are tried: Single first, then by name."""
+    ordered = sorted(registry.entries(), key=lambda entry: (entry.alias != "single", entry.alias))
+    return [Configuration(entry.alias, options) for entry in ordered
+            for options in entry.load().configurations(devices, batch_size)]
 
 
 @dataclasses.dataclass
@@ -430,9 +415,7 @@ def _advice(trial):
             return f"communication is {trial.communication:.0%} of the step: try accumulate=4"
         return f"communication is {trial.communication:.0%} of the step: try fewer devices or a larger batch"
     if trial.idle > IDLE_ADVICE:
-        if alias == "layers":
-            return f"the devices are idle {trial.idle:.0%} of the step: try more micro-batches"
-        return f"the devices are idle {trial.idle:.0%} of the step: try a larger batch"
+        return f"the devices are idle {trial.idle:.0%} of the step: try {registry.entry(alias).load().idle_remedy}"
     if trial.speedup < 1:
         return "compute-bound but slower than Single: these devices share the same cores or memory"
     return "compute-bound: the devices are busy"

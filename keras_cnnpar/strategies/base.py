@@ -38,7 +38,7 @@ import tensorflow as tf
 
 from keras_cnnpar.keras_compat import accumulation, rebuild
 from keras_cnnpar.results import checkpoints, runs
-from keras_cnnpar.strategies import arguments, registry
+from keras_cnnpar.strategies import arguments, memory, registry
 
 names = registry.names
 
@@ -50,13 +50,16 @@ class PeerLost(RuntimeError):
 def register(alias):
     """Class decorator: make ``alias`` the string name of the strategy class.
 
-    The registry finds the decorated class in the source of the strategies
-    package; its facts are the class attributes documented in
+    The registry finds the decorated classes of this package in their source,
+    without importing them; a class defined anywhere else registers when it is
+    created. Its facts are the class attributes documented in
     :mod:`keras_cnnpar.strategies.registry`.
     """
 
     def decorate(cls):
         cls.alias = alias
+        if not cls.__module__.startswith(f"{__package__}."):  # a user's strategy: registered now
+            registry.add(cls)
         return cls
 
     return decorate
@@ -130,6 +133,9 @@ class _Configuration(type):
 
     def __call__(cls, *args, **kwargs):
         instance = super().__call__(*args, **kwargs)
+        given = inspect.signature(cls).bind(*args, **kwargs)
+        given.apply_defaults()
+        object.__setattr__(instance, "given_options", types.MappingProxyType(dict(given.arguments)))
         object.__setattr__(instance, "_configured", True)
         return instance
 
@@ -187,6 +193,40 @@ class Strategy(metaclass=_Configuration):
     trains_under_tf_distribute = all_reduces_gradients = False
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
+    #: What the planner's advice suggests when the devices sit idle through much of a step.
+    idle_remedy = "a larger batch"
+    #: The constructor's arguments as given, defaults filled in (set when the object is created).
+    given_options = types.MappingProxyType({})
+
+    def memory_split(self, model, batch_size):
+        """How this strategy divides ``model``'s memory over its devices at the global ``batch_size`` (a
+        :class:`memory.MemorySplit`; :func:`memory.estimate` turns it into bytes): by default each device holds
+        the whole model and ``batch_size / devices`` examples of a step.
+
+        >>> import keras_cnnpar as cnnpar
+        >>> resolve("mirrored").memory_split(cnnpar.models.cnn("3+3"), batch_size=64).batch
+        32.0
+        """
+        return memory.replicated(model, batch_size / self.num_devices)
+
+    def epoch_events(self, row):
+        """What happened in the epoch whose logged figures are ``row``, as lines for ``results.log``; none here."""
+        return []
+
+    @classmethod
+    def configurations(cls, devices, batch_size):
+        """The options of each configuration this strategy offers the planner on ``devices`` devices (tuples of
+        ``(option, value)``), none where it cannot run; one on all the devices by default.
+
+        >>> from keras_cnnpar import strategies
+        >>> strategies.DataParallel.configurations(2, batch_size=64), strategies.DataParallel.configurations(1, 64)
+        ([(('devices', 2),)], [])
+        >>> strategies.Single.configurations(2, batch_size=64)
+        [()]
+        """
+        if devices < 2 or registry.invalid(cls, devices):
+            return []
+        return [((cls.device_option, devices),)]
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)
@@ -210,6 +250,7 @@ class Strategy(metaclass=_Configuration):
         changed = copy.copy(self)
         for name, value in options.items():
             object.__setattr__(changed, name, value)
+        object.__setattr__(changed, "given_options", types.MappingProxyType({**self.given_options, **options}))
         return changed
 
     @property

@@ -4,8 +4,8 @@ The parts come from the model itself: its weights' bytes, its optimizer's
 slots (a copy of the optimizer built on the weights), and the activations of
 one micro-batch at the compute dtype: the layer outputs that the backward pass
 keeps (:func:`kept_activation_values`), plus two of the largest output (the
-gradient flowing back and the one being computed). Each strategy divides them
-as it places them:
+gradient flowing back and the one being computed). Each strategy says how it
+divides them (``Strategy.memory_split``, a :class:`MemorySplit`):
 
 ====================  =======================================  ==========================================
 strategy              weights, gradients, optimizer slots       activations
@@ -27,17 +27,41 @@ async-ps              weights and gradients (slots on the ps)   the batch / work
 (True, 2.0)
 """
 
-import collections
+import dataclasses
 
 import keras
 import numpy as np
 
 from keras_cnnpar.keras_compat import graph
-from keras_cnnpar.strategies.tensor_parallel.layers import formulation, same_padding
-from keras_cnnpar.strategies.tensor_parallel.model import channel_layouts
 
-#: Layers whose weights the tensor-parallel strategies shard over the "model" axis.
-SHARDED_LAYERS = (keras.layers.Conv2D, keras.layers.Dense)
+
+@dataclasses.dataclass(frozen=True)
+class MemorySplit:
+    """How a strategy divides a model's memory over its devices, as one device sees it.
+
+    Args:
+        state: the share of the weights, their gradients and the optimizer's slots that one device holds.
+        slots_here: whether the optimizer's slots live on the devices (not on parameter servers).
+        kept_values: values per example of the activations the backward pass keeps, on one device.
+        largest_values: values per example of the largest layer output, on one device.
+        batch: examples of a step on one device.
+    """
+
+    state: float
+    slots_here: bool
+    kept_values: float
+    largest_values: float
+    batch: float
+
+
+def replicated(model, batch):
+    """The :class:`MemorySplit` of a device that holds the whole model and trains on ``batch`` examples.
+
+    >>> import keras_cnnpar as cnnpar
+    >>> replicated(cnnpar.models.cnn("3+3"), 32).state, replicated(cnnpar.models.cnn("3+3"), 32).batch
+    (1.0, 32)
+    """
+    return MemorySplit(1.0, True, kept_activation_values(model), largest_output_values(model), batch)
 
 
 def estimate(model, strategy, batch_size, precision="float32"):
@@ -45,32 +69,12 @@ def estimate(model, strategy, batch_size, precision="float32"):
 
     Returns a dict: ``weights``, ``gradients``, ``optimizer``, ``activations`` and their ``total``.
     """
-    alias, devices = strategy.alias, strategy.num_devices
-    weights = _bytes(model.weights)
-    trainable = _bytes(model.trainable_weights)
-    slots = _slot_bytes(model)
-    data = getattr(strategy, "data", 1)
-    shards, batch_axis = devices // data, data > 1  # the mesh's, under channels and hybrid
-    if alias in ("channels", "hybrid"):
-        modes = {name: layout.mode for name, layout in channel_layouts(model, batch_axis, shards).items()}
-        sharded = _bytes([w for layer in model._flatten_layers(include_self=False) if isinstance(layer, SHARDED_LAYERS)
-                          and modes.get(layer.name) != "whole" for w in layer.weights])
-        share = (weights - sharded * (1 - 1 / shards)) / weights if weights else 1.0
-        parts = {"weights": weights * share, "gradients": trainable * share, "optimizer": slots * share}
-    elif alias == "layers":
-        parts = {"weights": weights / devices, "gradients": trainable / devices, "optimizer": slots / devices}
-    elif alias == "async-ps":
-        parts = {"weights": weights, "gradients": trainable, "optimizer": 0}
-    else:
-        parts = {"weights": weights, "gradients": trainable, "optimizer": slots}
+    split = strategy.memory_split(model, batch_size)
+    slots = slot_bytes(model) if split.slots_here else 0
+    parts = {"weights": bytes_of(model.weights) * split.state,
+             "gradients": bytes_of(model.trainable_weights) * split.state, "optimizer": slots * split.state}
     itemsize = 2 if precision.startswith("mixed") else 4
-    if alias in ("channels", "hybrid"):
-        values, per_device_batch = channel_sharded_values(model, shards, batch_axis), batch_size / data
-        largest = largest_output_values(model, channel_shares(model, shards, batch_axis))
-    else:
-        values, per_device_batch = kept_activation_values(model), batch_size / (1 if alias == "single" else devices)
-        largest = largest_output_values(model)
-    parts["activations"] = (values + 2 * largest) * per_device_batch * itemsize
+    parts["activations"] = (split.kept_values + 2 * split.largest_values) * split.batch * itemsize
     parts = {name: round(value) for name, value in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
@@ -107,10 +111,10 @@ def kept_activation_values(model):
     >>> round(kept_activation_values(resnet) / sum(int(np.prod(t.shape[1:])) for t in _tensors(resnet)), 2)
     0.58
     """
-    return sum(_values(tensor) for _, tensor in _kept_tensors(model))
+    return sum(values(tensor) for _, tensor in kept_tensors(model))
 
 
-def _kept_tensors(model):
+def kept_tensors(model):
     """``(layer, tensor)`` for each tensor of ``model`` that its backward pass keeps, and the layer that made it
     (see :func:`kept_activation_values`)."""
     consumers = {}
@@ -130,91 +134,13 @@ def _kept_tensors(model):
 
 def largest_output_values(model, shares=None):
     """Values per example of ``model``'s largest layer output (inputs included), on one device where ``shares``
-    gives the devices that share a layer's output (:func:`channel_shares`)."""
+    gives the devices that share a layer's output (layer name -> how many)."""
     shares = shares or {}
-    return max(_values(tensor) / shares.get(layer.name, 1) for layer, node in graph.nodes(model)
+    return max(values(tensor) / shares.get(layer.name, 1) for layer, node in graph.nodes(model)
                for tensor in node.output_tensors)
 
 
-def channel_shares(model, shards, batch_axis=False):
-    """Layer name -> how many devices share its output under channel sharding over ``shards``: all of them
-    where its channels are sharded or its batch split, else 1 (whole on every device; ``model``'s input too).
-
-    >>> import keras_cnnpar as cnnpar
-    >>> model = cnnpar.models.cnn("2+2")  # convolutions and pooling on a split batch, then Dense layers
-    >>> shares = channel_shares(model, 2)
-    >>> [shares[layer.name] for layer in model.layers]
-    [2, 2, 2, 2, 2, 1, 1, 1]
-    """
-    return _shares(channel_layouts(model, batch_axis, shards), shards)
-
-
-def _shares(layouts, shards):
-    """:func:`channel_shares` from the layouts of :func:`channel_layouts`."""
-    return {name: shards if layout.output_sharded or layout.output_batch_split else 1
-            for name, layout in layouts.items()}
-
-
-def channel_sharded_values(model, shards, batch_axis=False):
-    """Values per example, on one device, that ``model``'s backward pass holds at its peak under channel sharding
-    over ``shards`` (``batch_axis``: a mesh that also splits the batch).
-
-    Each kept tensor counts whole where its channels are whole (every device holds all of them: a row-mode
-    layer's output, and what follows it up to the next column-mode one) and ``1/shards`` where they are
-    sharded or split over the batch; each convolution adds the copy its formulation keeps for its gradient:
-    its input padded and split over the batch (split batch; none for an input split already that the op
-    pads itself, Keras's ``"same"``; with a ``"batch"`` axis, its input with whole channels where they were
-    sharded or it is padded first), its sharded input transposed (filter gradient), or its ``kh*kw``
-    stacked windows (im2col). An im2col convolution's input gradient adds ``kh*kw`` padded inputs for a
-    moment (one per window, summed at the end); the backward pass meets it when the tensors kept after that
-    convolution are already freed, so the peak is the largest of those moments and the whole kept set.
-
-    On two devices the resnet's tensors are all split over the batch; only the first convolution keeps a
-    copy of its input (the images, split), so one device holds about half of what Single holds per example:
-
-    >>> import keras_cnnpar as cnnpar
-    >>> resnet = cnnpar.models.cnn("resnet")
-    >>> round(channel_sharded_values(resnet, 2) / kept_activation_values(resnet), 2)
-    0.51
-    """
-    layouts = channel_layouts(model, batch_axis, shards)  # the model's input layer is not in it: its images are whole
-    shares = _shares(layouts, shards)
-    kept = collections.Counter()
-    for layer, tensor in _kept_tensors(model):
-        kept[layer.name] += _values(tensor) / shares.get(layer.name, 1)
-    held = peak = 0
-    for layer, node in graph.nodes(model):
-        held += kept.pop(layer.name, 0)
-        if isinstance(layer, keras.layers.Conv2D):
-            copy, transient = _convolution_buffers(layer, node, layouts[layer.name], shards, batch_axis)
-            held += copy
-            peak = max(peak, held + transient)
-    return max(held, peak)
-
-
-def _convolution_buffers(layer, node, layout, shards, batch_axis):
-    """Values per example of a channel-sharded convolution's own buffers (its :class:`ChannelLayout` given):
-    the copy it keeps for its gradient besides its input, and what its input gradient holds for a moment
-    (im2col's ``kh*kw`` padded pieces)."""
-    _, height, width, channels = node.input_tensors[0].shape
-    (top, bottom), (left, right) = same_padding((height, width), layer.kernel_size, layer.strides, layer.padding)
-    padded = (shards, height + top + bottom, width + left + right, channels)  # a batch the shards divide
-    mode = layout.mode
-    form = formulation(mode, layer.kernel_size, layer.strides, padded, shards, batch_axis)
-    padded_inside = layer.padding == "same" or not top + bottom + left + right
-    if form == "split batch" and layout.input_batch_split and padded_inside:
-        return 0, 0  # its input is the split batch already, padded inside the op: nothing more to keep
-    if form == "split batch" and batch_axis:  # a replica's input with whole channels: gathered, or padded
-        return (int(np.prod(padded[1:])) if layout.input_sharded or not padded_inside else 0), 0
-    if form in ("split batch", "filter gradient"):
-        return int(np.prod(padded[1:])) / shards, 0
-    (kh, kw), (_, out_height, out_width, _) = layer.kernel_size, node.output_tensors[0].shape
-    share = shards if mode == "row" else 1  # column mode gathers its input's channels first
-    pieces = kh * kw * int(np.prod(padded[1:])) / share if layout.input_gradient else 0
-    return kh * kw * out_height * out_width * channels / share, pieces
-
-
-def _values(tensor):
+def values(tensor):
     """Values per example of ``tensor`` (its shape without the batch axis); an axis whose size Keras does not know
     until the model runs (a user's layer that reshapes to ``-1``) counts as 1."""
     return int(np.prod([size or 1 for size in tensor.shape[1:]]))
@@ -230,11 +156,11 @@ def _tensors(model):
     return [tensor for _, node in graph.nodes(model) for tensor in node.output_tensors]
 
 
-def _bytes(variables):
+def bytes_of(variables):
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
 
 
-def _slot_bytes(model):
+def slot_bytes(model):
     """Bytes of the optimizer's slots (momentum, velocity, ...) for ``model``'s trainable weights, from a copy of
     its optimizer built on them (``iterations`` and the learning rate left out)."""
     optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
@@ -242,4 +168,4 @@ def _slot_bytes(model):
         return 0
     copy = type(optimizer).from_config(optimizer.get_config())
     copy.build(model.trainable_weights)
-    return sum(_bytes([v]) for v in copy.variables if len(v.shape) > 0)
+    return sum(bytes_of([v]) for v in copy.variables if len(v.shape) > 0)

@@ -2,19 +2,16 @@
 
 import contextlib
 import faulthandler
-import json
-import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 
 import keras
 import tensorflow as tf
 
-from keras_cnnpar.cluster import local_workers, network
+from keras_cnnpar.cluster import environments, local_workers, network
 from keras_cnnpar.cluster import spec as cluster_lib
+from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.strategies import arguments, base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 
@@ -71,8 +68,9 @@ class MultiWorker(CheckpointedStrategy):
     ...                     strategy="multi-worker")  # doctest: +SKIP
 
     Args:
-        cluster: None reads ``TF_CONFIG`` or, without it, under ``srun``, the
-            Slurm job step's variables (:func:`slurm_tf_config`); else a
+        cluster: None reads the environment's cluster: ``TF_CONFIG``, else
+            under ``srun`` the Slurm job step's, else a Kubernetes Indexed
+            Job's (:mod:`keras_cnnpar.cluster.environments`); else a
             ``TF_CONFIG``-style dict or the path of a JSON file holding one.
         checkpoint_dir: folder of the preemption checkpoints (one sub-folder per
             run configuration); None turns preemption handling off.
@@ -97,6 +95,11 @@ class MultiWorker(CheckpointedStrategy):
     elastic = True
     #: Every worker shuffles alike, so each gets a different slice of the same batches.
     shuffle_seed = 0
+
+    @classmethod
+    def configurations(cls, devices, batch_size):
+        """None: its workers are processes that ``cnnpar launch`` starts, each one a ``fit``, not devices here."""
+        return []
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
                  accumulate=1, sync_batchnorm=True):
@@ -190,58 +193,24 @@ def _lost_peers(task, message):
     return sorted({f"/job:{job}/replica:0/task:{index}" for job, index in silent} - {own})
 
 
-_JOINED = {}
-
-
 def joined(task=None, timeout=60):
-    """The ``MultiWorkerMirroredStrategy`` of ``task`` (default: ``TF_CONFIG``'s), joining its cluster once per
-    process. ``import keras_cnnpar`` calls it when ``cnnpar launch`` started the process, so the cluster is
-    joined before any model exists; a later ``MultiWorker()`` of the same task gets the same strategy (and the
-    collective timeout it was joined with)."""
+    """The ``MultiWorkerMirroredStrategy`` of ``task`` (default: the environment's, :func:`environment_task`),
+    joining its cluster once per process (:data:`keras_cnnpar.cluster.joined.this_process`). ``import
+    keras_cnnpar`` calls it when ``cnnpar launch`` started the process, so the cluster is joined before any model
+    exists; a later ``MultiWorker()`` of the same task gets the same strategy (and the collective timeout it was
+    joined with)."""
     task = task or environment_task()
-    key = json.dumps(task.tf_config(), sort_keys=True)
-    if key not in _JOINED:
-        _JOINED[key] = _join_cluster(task, timeout)
-    return _JOINED[key]
+    return this_process.join("multi-worker", task.tf_config(), lambda: _join_cluster(task, timeout))
 
 
 def environment_task():
-    """This process's task as the environment describes it: ``TF_CONFIG``, else the Slurm job step that ``srun``
-    started (:func:`slurm_tf_config`), else a ``ValueError`` that says how to give one."""
-    return cluster_lib.Task.parse(slurm_tf_config() if cluster_lib.slurm_step() else None)
-
-
-def slurm_tf_config():
-    """The ``TF_CONFIG`` of this Slurm task, from TensorFlow's ``SlurmClusterResolver``: one worker per task
-    of the job step, at ``<node>:<port>`` from port ``CNNPAR_SLURM_PORT`` (default 8888) on, worker 0 the chief.
-
-    >>> import os
-    >>> os.environ.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="node[1-2]",
-    ...                   SLURM_STEP_TASKS_PER_NODE="1(x2)")
-    >>> slurm_tf_config()
-    {'cluster': {'worker': ['node1:8888', 'node2:8888']}, 'task': {'type': 'worker', 'index': 1}}
-    >>> for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
-    ...     del os.environ[name]
-    """
-    gpus = _gpus_on_node()
-    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 1)
-    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(  # a CPU node: one "device" per task
-        port_base=int(os.environ.get(cluster_lib.SLURM_PORT, 8888)), gpus_per_node=gpus or tasks,
-        gpus_per_task=None if gpus else 1, auto_set_gpu=bool(gpus))
-    cluster = resolver.cluster_spec().as_dict()
-    task_type, index = resolver.get_task_info()
-    return {"cluster": cluster, "task": {"type": task_type, "index": index}}
-
-
-def _gpus_on_node():
-    """The node's GPUs as Slurm's resolver counts them (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi``); 0 without."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([device for device in visible.split(",") if device.strip()])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True)
-    return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
+    """This process's task as its environment describes it (``TF_CONFIG``, a Slurm job step, a Kubernetes Indexed
+    Job: :func:`keras_cnnpar.cluster.environments.detect`), with its share of the node's GPUs; without any, a
+    ``ValueError`` that says how to give one."""
+    environment = environments.resolve()
+    task = environment.task()
+    environment.assign_devices()
+    return task
 
 
 def _join_cluster(task, timeout):
@@ -292,7 +261,7 @@ def _coordinate(task, timeout):
     collective timeout. When both aborted the collectives at once (``--collective-timeout 10``), TensorFlow
     now and then corrupted a mutex ("Mutex corrupt: waiting writer with no waiters") and the chief died of
     SIGABRT before it could say which peer it lost. With the heartbeats at half the timeout, the lost host is
-    named by them 3-4 s after its link went down (measured), before any collective times out."""
+    named by them seconds after its link went down (docs/hosts.md), before any collective times out."""
     from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context

@@ -1,5 +1,6 @@
 """Model parallel: contiguous runs of layers on devices, pipelined over micro-batches (GPipe-style)."""
 
+import dataclasses
 import functools
 import math
 import time
@@ -59,6 +60,19 @@ class LayerPlacement(Strategy):
 
     description = "layers placed on devices, pipelined over --microbatches (model parallel)"
     min_devices = 2
+    idle_remedy = "more micro-batches"
+    #: The micro-batch counts the planner tries.
+    PLANNED_MICROBATCHES = (1, 2, 4)
+
+    @classmethod
+    def configurations(cls, devices, batch_size):
+        """All the devices, with each of ``PLANNED_MICROBATCHES`` that divides the batch.
+
+        >>> LayerPlacement.configurations(2, batch_size=6)
+        [(('devices', 2), ('microbatches', 1)), (('devices', 2), ('microbatches', 2))]
+        """
+        return [(*on_devices, ("microbatches", m)) for on_devices in super().configurations(devices, batch_size)
+                for m in cls.PLANNED_MICROBATCHES if batch_size % m == 0]
 
     def __init__(self, devices=2, placement=None, microbatches=1, *, steps_per_execution=8):
         super().__init__(steps_per_execution=steps_per_execution)
@@ -70,6 +84,10 @@ class LayerPlacement(Strategy):
 
     def __repr__(self):
         return f"<LayerPlacement devices={self.num_devices} microbatches={self.microbatches}>"
+
+    def memory_split(self, model, batch_size):
+        """Each device holds ``1/devices`` of the weights (its stage's layers), activations as a replica's."""
+        return dataclasses.replace(super().memory_split(model, batch_size), state=1 / self.num_devices)
 
     @property
     def batch_pieces(self):

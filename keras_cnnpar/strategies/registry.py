@@ -11,6 +11,12 @@ checks, the sweep's plan and the tests derive from these facts, which are read
 from the source, so ``cnnpar --help`` stays instant; :func:`load` imports the
 class itself when it is needed.
 
+A strategy defined elsewhere, in a user's script or package, registers when
+its class is created with the same ``@register("alias")`` (:func:`add`), and
+a package can offer its strategies to every ``cnnpar`` command through the
+entry-point group ``keras_cnnpar.strategies`` (``[project.entry-points."keras_cnnpar.strategies"]``
+``mine = "my_package.strategies"``: the module is imported when the registry is first read).
+
 >>> names()
 ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
 >>> names(needs_cluster=True)
@@ -25,6 +31,8 @@ import ast
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
+import inspect
 from pathlib import Path
 
 STRATEGIES = Path(__file__).parent
@@ -48,39 +56,80 @@ class Entry:
     device_option: str | None
     keeps_checkpoints: bool
     needs_cluster: bool
+    #: The class itself, for a strategy registered at run time (:func:`add`).
+    cls: type | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def invalid(self, devices):
         """Why this strategy cannot run on ``devices`` devices, or None."""
-        if self.max_devices == self.min_devices and devices != self.min_devices:
-            return f"{self.alias} runs on {self.min_devices} device{'s' * (self.min_devices > 1)}"
-        if devices < self.min_devices or devices % self.device_multiple or \
-                (self.max_devices is not None and devices > self.max_devices):
-            if self.device_multiple > 1:
-                return f"{self.alias} needs a multiple of {self.device_multiple} devices, at least {self.min_devices}"
-            return f"{self.alias} needs at least {self.min_devices} devices"
-        return None
+        return invalid(self, devices)
 
     def load(self):
         """The strategy class (this imports TensorFlow)."""
-        return getattr(importlib.import_module(self.module), self.class_name)
+        return self.cls or getattr(importlib.import_module(self.module), self.class_name)
+
+
+def invalid(facts, devices):
+    """Why the strategy whose facts (``alias``, ``min_devices``, ...) are ``facts`` cannot run on ``devices``
+    devices, or None; ``facts`` is an :class:`Entry` or a strategy class."""
+    if facts.max_devices == facts.min_devices and devices != facts.min_devices:
+        return f"{facts.alias} runs on {facts.min_devices} device{'s' * (facts.min_devices > 1)}"
+    if devices < facts.min_devices or devices % facts.device_multiple or \
+            (facts.max_devices is not None and devices > facts.max_devices):
+        if facts.device_multiple > 1:
+            return f"{facts.alias} needs a multiple of {facts.device_multiple} devices, at least {facts.min_devices}"
+        return f"{facts.alias} needs at least {facts.min_devices} devices"
+    return None
+
+
+#: Strategies registered at run time, by alias (classes defined outside this package).
+_ADDED = {}
+#: The entry-point group through which installed packages offer strategies.
+ENTRY_POINTS = "keras_cnnpar.strategies"
+
+
+def add(cls):
+    """Register ``cls``, a strategy class defined outside this package, under its ``alias``; its facts are read
+    from the class. ``@register("alias")`` calls it; an alias of the package's own is refused."""
+    if cls.alias in _entries():
+        raise ValueError(f"the strategy name {cls.alias!r} is taken by {_entries()[cls.alias].class_name}; choose "
+                         f"another. Received: {cls.__qualname__} registered as {cls.alias!r}")
+    facts = {key: getattr(cls, key) for key in FACTS}
+    _ADDED[cls.alias] = Entry(cls.alias, cls.__module__, cls.__qualname__, tuple(inspect.signature(cls).parameters),
+                              **facts, cls=cls)
 
 
 def names(**facts):
     """The registered aliases, sorted; ``facts`` filter them, e.g. ``keeps_checkpoints=True``."""
-    return sorted(alias for alias, e in _entries().items()
+    return sorted(alias for alias, e in _registered().items()
                   if all(getattr(e, key) == value for key, value in facts.items()))
 
 
 def entry(alias):
     """The :class:`Entry` of ``alias``; an error lists the valid names."""
-    if alias not in _entries():
+    if alias not in _registered():
         raise ValueError(f"unknown strategy {alias!r}; valid names are {names()}. Received: strategy={alias!r}")
-    return _entries()[alias]
+    return _registered()[alias]
 
 
 def entries():
     """Every :class:`Entry`, in alias order."""
-    return [_entries()[alias] for alias in names()]
+    return [_registered()[alias] for alias in names()]
+
+
+def _registered():
+    _load_entry_points()
+    return {**_entries(), **_ADDED}
+
+
+_entry_points_loaded = []
+
+
+def _load_entry_points():
+    """Import, once, the modules that installed packages name in the ``keras_cnnpar.strategies`` group."""
+    if not _entry_points_loaded:
+        _entry_points_loaded.append(True)  # first: a plugin's module may read the registry as it imports
+        for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
+            point.load()
 
 
 @functools.cache

@@ -28,3 +28,8 @@ class Single(Strategy):
     description = "one device, the baseline"
     max_devices = 1
     device_option = None
+
+    @classmethod
+    def configurations(cls, devices, batch_size):
+        """One configuration on any machine: the baseline every plan measures first."""
+        return [()]

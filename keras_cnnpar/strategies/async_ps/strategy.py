@@ -1,8 +1,7 @@
 """Asynchronous parameter-server training: ``ParameterServerStrategy`` + ``ClusterCoordinator``."""
 
 import contextlib
-import functools
-import json
+import dataclasses
 import math
 import sys
 
@@ -12,6 +11,7 @@ import tensorflow as tf
 
 from keras_cnnpar.cluster import network
 from keras_cnnpar.cluster import spec as cluster_lib
+from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.keras_compat import precise_bn, rebuild
 from keras_cnnpar.strategies import arguments, base, loop
 from keras_cnnpar.strategies.async_ps import remote as async_remote
@@ -57,7 +57,7 @@ class AsyncPS(CheckpointedStrategy):
     accuracy behind Single's after 3 epochs, 0.9-1.9 with the average in
     most runs). The learning
     rate is kept (``scale_lr=None``): each update uses a whole batch, so there
-    is no larger batch to scale for. docs/strategies.md has the measured
+    is no larger batch to scale for. docs/async.md has the measured
     effect on the three model kinds, seed by seed
     (``benchmarks/async_robustness.py``). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
@@ -169,16 +169,19 @@ class AsyncPS(CheckpointedStrategy):
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
         self.coordinator_address = coordinator
-        self._options = {"workers": self.workers, "ps": self.ps, "cluster": self.spec, "coordinator": coordinator,
-                         "staleness_aware": staleness_aware, "warmup_steps": warmup_steps, "ema_momentum": ema_momentum,
-                         "steps_per_execution": steps_per_execution, "timeout": timeout,
-                         "checkpoint_dir": self.checkpoint_dir, "precise_bn": precise_bn}
         if self.spec is not None:
             network.wait_reachable(_servers(self.spec), self.timeout)
 
     def options(self):
-        """The options the coordinator process creates this strategy with; the rate arrives already scaled."""
-        return {**self._options, "scale_lr": None, "checkpoint_dir": self.checkpoint_dir}
+        """The options the coordinator process creates this strategy with: every constructor argument as given
+        (so none silently takes its default there), the cluster as parsed, the rate already scaled.
+
+        >>> options = AsyncPS(workers=3, warmup_steps=0, scale_lr="linear").options()
+        >>> options["workers"], options["warmup_steps"], options["scale_lr"], options["precise_bn"]
+        (3, 0, None, 16)
+        """
+        return {**self.given_options, "workers": self.workers, "ps": self.ps, "cluster": self.spec,
+                "scale_lr": None, "checkpoint_dir": self.checkpoint_dir}
 
     @property
     def devices(self):
@@ -192,6 +195,19 @@ class AsyncPS(CheckpointedStrategy):
     def local_devices(self):
         return 1
 
+    def memory_split(self, model, batch_size):
+        """A worker holds the weights and their gradients; the optimizer's slots live on the parameter servers."""
+        return dataclasses.replace(super().memory_split(model, batch_size), slots_here=False)
+
+    def epoch_events(self, row):
+        """A lost worker, from the epoch's ``lost_workers`` column.
+
+        >>> AsyncPS().epoch_events({"lost_workers": 1.0}), AsyncPS().epoch_events({"lost_workers": 0.0})
+        (['1 worker(s) lost; their steps ran again on the others'], [])
+        """
+        lost = int(row.get("lost_workers") or 0)
+        return [f"{lost} worker(s) lost; their steps ran again on the others"] if lost else []
+
     def batch_division(self, global_batch):
         return f"each of the {self.workers} workers still takes whole global batches of {global_batch}"
 
@@ -200,7 +216,7 @@ class AsyncPS(CheckpointedStrategy):
         return f"<AsyncPS workers={self.workers} ps={self.ps} cluster={where} scale_lr={self.scale_lr}>"
 
     def _tf_strategy(self):
-        connection = _JOINED.get("cluster")
+        connection = this_process.current("async-ps")
         return connection.tf_strategy if connection else None
 
     def describe(self):
@@ -225,14 +241,13 @@ class AsyncPS(CheckpointedStrategy):
             what = "local cluster and its coordinator" if self.spec is None else "coordinator of this run"
             ports = [address.rpartition(":")[2] for address in [*started, chief]]
             print(network.exposure_warning(what, ports), file=sys.stderr, flush=True)
-        tf_strategy, coordinator = _connect(json.dumps({**cluster, "chief": [chief]}, sort_keys=True))
-        _JOINED["cluster"] = _Connection(cluster, tf_strategy, coordinator)
+        this_process.join("async-ps", {**cluster, "chief": [chief]}, lambda: _connect(cluster, chief))
 
     def prepare(self, model, settings=None):
         """In the user's process: the run that drives a coordinator process. In the coordinator process (after
         :meth:`join`): the run that trains, with the prepared model's variables on the parameter servers."""
         settings = settings or base.RunSettings()
-        prepared, connection = self.prepared_copy(model, settings), _JOINED.get("cluster")
+        prepared, connection = self.prepared_copy(model, settings), this_process.current("async-ps")
         if connection is None:
             return async_remote.CoordinatorProcessRun(self, settings, prepared)
         read_kernels_before_xla(prepared)
@@ -252,7 +267,8 @@ class AsyncPS(CheckpointedStrategy):
 
 class _Connection:
     """This process's place in a cluster as its coordinator: the spec, the ``ParameterServerStrategy`` and
-    the ``ClusterCoordinator``."""
+    the ``ClusterCoordinator``. Made once per cluster and process (``this_process.join("async-ps", ...)``); the
+    latest is ``this_process.current("async-ps")``."""
 
     def __init__(self, cluster, tf_strategy, coordinator):
         self.cluster, self.tf_strategy, self.coordinator = cluster, tf_strategy, coordinator
@@ -262,8 +278,6 @@ class _Connection:
 #: killed server's port may answer a moment after its connections broke: the likeliest reading of one CI run
 #: where tests/test_hosts.py's lost server came back as a bare UnavailableError.
 PS_LOSS_SECONDS = 5
-#: ``{"cluster": _Connection}`` once this process joined a cluster (``AsyncPS.join``), for the rest of it.
-_JOINED = {}
 
 
 class AsyncRun(base.Run):
@@ -577,7 +591,7 @@ def staleness_power(optimizer):
     :data:`ADAPTIVE_OPTIMIZERS`, which divide by the gradients' running size:
     a gradient divided by a varying square mixes scales of 1 to 1/25 into
     that running size, and 4 workers of the 2+2 CNN (Adam) ended up to 4
-    points below Single (docs/strategies.md). A mixed-precision loss-scale
+    points below Single (docs/async.md). A mixed-precision loss-scale
     wrapper is looked through.
 
     >>> staleness_power(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
@@ -685,9 +699,16 @@ def _evaluator(prepared):
     return copy
 
 
-@functools.cache
-def _local_cluster(workers, ps, tries=3):
-    """Start ``workers`` + ``ps`` TensorFlow gRPC servers in this (the coordinator) process, once; return their spec.
+def _local_cluster(workers, ps):
+    """The spec of ``workers`` + ``ps`` TensorFlow gRPC servers in this (the coordinator) process, started once
+    (``this_process`` keeps them serving)."""
+    spec, _ = this_process.join("async-ps servers", {"workers": workers, "ps": ps},
+                                lambda: _start_local_cluster(workers, ps))
+    return spec
+
+
+def _start_local_cluster(workers, ps, tries=3):
+    """Start ``workers`` + ``ps`` servers on free ports of this machine; return their spec and the servers.
 
     The ports are chosen free, then bound by TensorFlow, which takes no socket
     that is already bound; when another process took one in between, the
@@ -696,13 +717,11 @@ def _local_cluster(workers, ps, tries=3):
     for attempt in range(1, tries + 1):
         spec = cluster_lib.local_spec(workers, ps)
         try:
-            _local_cluster.servers = _start_servers(spec, workers)
-            break
+            return spec, _start_servers(spec, workers)
         except (tf.errors.OpError, RuntimeError) as error:
             if attempt == tries:
                 raise ConnectionError(f"cannot start the local cluster: {tries} tries on fresh ports failed; "
                                       f"the last one: {error}") from None
-    return spec
 
 
 def _start_servers(spec, workers):
@@ -716,12 +735,10 @@ def _start_servers(spec, workers):
     ]
 
 
-@functools.cache
-def _connect(spec_json):
-    """Connect this process to the cluster of ``spec_json`` as its coordinator, task ``chief:0``; once."""
-    spec = json.loads(spec_json)
+def _connect(cluster, chief):
+    """Connect this process to ``cluster`` as its coordinator, task ``chief:0`` at ``chief``."""
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc")
+        tf.train.ClusterSpec({**cluster, "chief": [chief]}), task_type="chief", task_id=0, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks
-    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+    return _Connection(cluster, strategy, tf.distribute.coordinator.ClusterCoordinator(strategy))
 

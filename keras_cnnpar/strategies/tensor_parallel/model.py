@@ -99,13 +99,6 @@ OPERATIONS = ("Add", "Subtract", "Multiply", "Divide", "TrueDivide", "Maximum", 
               "LeakyRelu", "Elu", "Selu", "Softplus", "Softsign")
 #: The convolutions that run as ``ChannelShardedConv2D`` (a ``SeparableConv2D``'s pointwise part does).
 CONVOLUTIONS = ("Conv2D", "SeparableConv2D")
-SUPPORTED = ("Conv2D", "Dense", "BatchNormalization", "LayerNormalization", "RMSNormalization", "GroupNormalization",
-             "DepthwiseConv2D", "SeparableConv2D", "Conv2DTranspose", "Normalization", "MaxPooling2D",
-             "AveragePooling2D", "GlobalAveragePooling2D", "GlobalMaxPooling2D", "ZeroPadding2D", "Cropping2D",
-             "UpSampling2D", "Flatten", "Reshape", "Dropout", "SpatialDropout2D", *ELEMENTWISE, "Add", "Subtract",
-             "Multiply", "Average", "Maximum", "Minimum", "Concatenate")
-
-
 class Pooling(tf.Module):
     """``MaxPooling2D`` or ``AveragePooling2D``, in the fastest form DTensor accepts for the input's layout.
 
@@ -115,7 +108,7 @@ class Pooling(tf.Module):
     over ``"model"`` for the native op and back (on a mesh without a
     ``"batch"`` axis, when the shards divide the batch); otherwise a window that
     tiles the image (window = strides) is a reshape and a reduction, and any
-    other window the maximum or mean of its strided slices (docs/benchmarks.md);
+    other window the maximum or mean of its strided slices (docs/measurements/2026-12-01-zen4.md);
     with ``"same"`` padding, the mean divides by the image's values in each
     window, as Keras's does.
     """
@@ -380,30 +373,77 @@ def output_tensor(layer, inputs, batch_axis=False, model_output=False, folds=Fal
     output's channels, in row and whole mode returns them whole; a ``Conv2DTranspose`` of sharded channels shards
     its output's where the shards divide its filters; a merge or ``Concatenate`` is split over the batch if any
     input is, else a merge is sharded if any input is."""
-    kind, first = type(layer).__name__, inputs[0]
-    differentiable = any(t.differentiable for t in inputs)
+    rule = LayoutRule(batch_axis, model_output, folds, shards)
+    if graph.is_operation(layer):
+        return _merge_layout(layer, inputs, rule)
+    return KINDS.get(type(layer).__name__, PASS_THROUGH).layout(layer, inputs, rule)
+
+
+class LayoutRule(typing.NamedTuple):
+    """Where a layer's layout is decided: on a mesh with a ``"batch"`` axis or not, as the model's output or
+    not, whether only Dense layers read its output (``folds``), over how many model ``shards``."""
+
+    batch_axis: bool
+    model_output: bool
+    folds: bool
+    shards: int
+
+
+def _differentiable(inputs):
+    return any(t.differentiable for t in inputs)
+
+
+def _merge_layout(layer, inputs, rule):
+    """A merge or an operation on tensors: split over the batch if any input is, else sharded if any input is."""
     batch_split = any(t.batch_split for t in inputs)
-    if graph.is_operation(layer) or kind in Merge.FUNCTIONS:
-        return _Tensor(not batch_split and any(t.sharded for t in inputs), None, differentiable, batch_split)
-    if kind in CONVOLUTIONS and not batch_axis:
+    return _Tensor(not batch_split and any(t.sharded for t in inputs), None, _differentiable(inputs), batch_split)
+
+
+def _kernel_layout(layer, inputs, rule):
+    """A Conv2D on a mesh without ``"batch"``: split over the batch; a Dense, or a Conv2D on a mesh with it: in
+    column mode its output's channels sharded, in row and whole mode whole."""
+    if type(layer).__name__ in CONVOLUTIONS and not rule.batch_axis:
         return _Tensor(False, None, True, batch_split=True)
-    if kind in (*CONVOLUTIONS, "Dense"):
-        column = _mode(layer, first, batch_axis, model_output, shards) == "column"
-        return _Tensor(column and not mixes_channels(layer), None, True)
-    if kind == "Conv2DTranspose":
-        sharded = first.sharded and not mixes_channels(layer) and layer.filters % shards == 0
-        return _Tensor(sharded, None, True, first.batch_split)
-    if kind in ("BatchNormalization", "LayerNormalization", "RMSNormalization", "DepthwiseConv2D",
-                "Normalization"):  # the input's
-        return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
-    if kind == "GroupNormalization":  # on whole channels
-        return _Tensor(False, None, True, first.batch_split)
-    if kind == "Concatenate":
-        return _Tensor(False, None, differentiable, batch_split)
-    if kind == "Flatten" and first.sharded:
-        return _Tensor(True, tuple(layer.input.shape[1:]), differentiable) if folds else \
-            _Tensor(False, None, differentiable)
-    return _Tensor(first.sharded and not mixes_channels(layer), first.folded, differentiable, first.batch_split)
+    column = _mode(layer, inputs[0], rule.batch_axis, rule.model_output, rule.shards) == "column"
+    return _Tensor(column and not mixes_channels(layer), None, True)
+
+
+def _transpose_layout(layer, inputs, rule):
+    """A ``Conv2DTranspose`` of sharded channels shards its output's where the shards divide its filters."""
+    first = inputs[0]
+    sharded = first.sharded and not mixes_channels(layer) and layer.filters % rule.shards == 0
+    return _Tensor(sharded, None, True, first.batch_split)
+
+
+def _per_channel_layout(layer, inputs, rule):
+    """A layer with per-channel weights keeps its input's layout."""
+    first = inputs[0]
+    return _Tensor(first.sharded and not mixes_channels(layer), None, True, first.batch_split)
+
+
+def _whole_channels_layout(layer, inputs, rule):
+    """A layer that computes on whole channels (``GroupNormalization``) returns them whole."""
+    return _Tensor(False, None, True, inputs[0].batch_split)
+
+
+def _concatenate_layout(layer, inputs, rule):
+    return _Tensor(False, None, _differentiable(inputs), any(t.batch_split for t in inputs))
+
+
+def _flatten_layout(layer, inputs, rule):
+    """A Flatten of sharded channels folds into the Dense layers that alone read it, else gathers them."""
+    if not inputs[0].sharded:
+        return _pass_through_layout(layer, inputs, rule)
+    if rule.folds:
+        return _Tensor(True, tuple(layer.input.shape[1:]), _differentiable(inputs))
+    return _Tensor(False, None, _differentiable(inputs))
+
+
+def _pass_through_layout(layer, inputs, rule):
+    """A layer without weights keeps its input's layout (unless it mixes the channels)."""
+    first = inputs[0]
+    return _Tensor(first.sharded and not mixes_channels(layer), first.folded, _differentiable(inputs),
+                   first.batch_split)
 
 
 class ChannelLayout(typing.NamedTuple):
@@ -587,63 +627,17 @@ class ShardedModel(tf.Module):
         kind, batch_axis, shards = type(layer).__name__, "batch" in self.mesh.dim_names, self.mesh.dim_size("model")
         if graph.is_operation(layer):  # an element-wise one (layer_graph checked)
             output = output_tensor(layer, inputs, batch_axis)
-            return Merge(layer, self.mesh, output.sharded, output.batch_split), output
+            return _merge(layer, Conversion(self.mesh, self.step, self.sync_batchnorm, index, inputs, output)), output
         if kind not in SUPPORTED:
             raise ValueError(f"channel sharding cannot convert layer {layer.name!r} of type {kind}; the supported "
                              f"layers are {', '.join(SUPPORTED)}, and at the model's input, before them, any layer "
                              f"without weights (augmentation such as RandomFlip, which runs on the host). "
                              f"Received: layer={layer.name!r} ({kind})")
         model_output = output_key == self.output_key
-        first, output = inputs[0], output_tensor(layer, inputs, batch_axis, model_output, folds, shards)
-        mode = _mode(layer, first, batch_axis, model_output, shards)
-        if kind in CONVOLUTIONS:
-            op = ChannelShardedConv2D(layer, self.mesh, mode) if kind == "Conv2D" else \
-                ShardedSeparableConv2D(layer, self.mesh, mode, first.sharded)
-            op.input_gradient = any(t.differentiable for t in inputs)
-            op.batch_split_output = output.batch_split
-        elif kind == "Dense":
-            op = ShardedDense(layer, self.mesh, mode, input_shape=first.folded)
-        elif kind == "BatchNormalization":
-            op = ShardedBatchNormalization(layer, self.mesh, first.sharded, self.sync_batchnorm)
-        elif kind == "DepthwiseConv2D":
-            op = ShardedDepthwiseConv2D(layer, self.mesh, first.sharded)
-        elif kind == "Conv2DTranspose":
-            op = ShardedConv2DTranspose(layer, self.mesh, first.sharded, first.batch_split, output.sharded)
-        elif kind == "Normalization":
-            op = ShardedNormalization(layer, self.mesh, first.sharded)
-        elif kind in ("LayerNormalization", "RMSNormalization"):
-            op = ShardedLayerNormalization(layer, self.mesh, first.sharded)
-        elif kind == "GroupNormalization":
-            op = ShardedGroupNormalization(layer, self.mesh, first.batch_split)
-        elif kind in Merge.FUNCTIONS:
-            op = Merge(layer, self.mesh, output.sharded, output.batch_split)
-        elif kind == "Concatenate":
-            op = Concatenate(layer, self.mesh, output.batch_split)
-        elif kind == "Flatten" and output.folded is not None:
-            op = None  # folded into the Dense layers that read it
-        else:
-            op = self._pass_through(layer, kind, index, first)
-        return op, output
-
-    def _pass_through(self, layer, kind, index, first):
-        """The module of a layer without weights that keeps its input's layout (``first``, a :class:`_Tensor`)."""
-        if kind in ("MaxPooling2D", "AveragePooling2D"):
-            return Pooling(layer, self.mesh, first.sharded)
-        if kind in ("GlobalAveragePooling2D", "GlobalMaxPooling2D"):
-            return GlobalPooling(layer)
-        if kind == "ZeroPadding2D":
-            return Padding(layer)
-        if kind == "Cropping2D":
-            return Cropping(layer)
-        if kind == "UpSampling2D":
-            return UpSampling(layer)
-        if kind == "Flatten":
-            return Flatten(layer, self.mesh, first.sharded)
-        if kind in ("Dropout", "SpatialDropout2D"):
-            return Dropout(layer, self.step, index)
-        if kind == "Reshape":
-            return Reshape(layer)
-        return Elementwise(layer, self.mesh, first.batch_split)
+        output = output_tensor(layer, inputs, batch_axis, model_output, folds, shards)
+        conversion = Conversion(self.mesh, self.step, self.sync_batchnorm, index, inputs, output,
+                                _mode(layer, inputs[0], batch_axis, model_output, shards))
+        return KINDS[kind].convert(layer, conversion), output
 
     @property
     def sharded_layers(self):
@@ -769,3 +763,90 @@ def bytes_per_device(variable):
     layout = dtensor.fetch_layout(variable)
     shards = math.prod(layout.mesh.dim_size(s) for s in layout.sharding_specs if s != dtensor.UNSHARDED)
     return variable.dtype.size * math.prod(variable.shape) // shards
+
+
+class Conversion(typing.NamedTuple):
+    """What a layer kind's converter knows of the layer's place: the mesh, the model's step counter (for
+    dropout), whether BatchNormalization syncs its statistics, the layer's index, what is known of its
+    inputs and output, and the mode of a Conv2D, SeparableConv2D or Dense."""
+
+    mesh: object
+    step: object
+    sync_batchnorm: bool
+    index: int
+    inputs: list
+    output: _Tensor
+    mode: str | None = None
+
+    @property
+    def first(self):
+        return self.inputs[0]
+
+
+def _convolution(layer, c):
+    if type(layer).__name__ == "Conv2D":
+        op = ChannelShardedConv2D(layer, c.mesh, c.mode)
+    else:
+        op = ShardedSeparableConv2D(layer, c.mesh, c.mode, c.first.sharded)
+    op.input_gradient = _differentiable(c.inputs)
+    op.batch_split_output = c.output.batch_split
+    return op
+
+
+def _merge(layer, c):
+    return Merge(layer, c.mesh, c.output.sharded, c.output.batch_split)
+
+
+class LayerKind(typing.NamedTuple):
+    """One kind of Keras layer under channel sharding, its two rules side by side: ``layout(layer, inputs,
+    rule)``, what is known of its output (a :class:`_Tensor`) from its inputs' (:func:`output_tensor`), and
+    ``convert(layer, conversion)``, the module that runs it on the mesh (None: folded into what reads it)."""
+
+    layout: typing.Callable
+    convert: typing.Callable
+
+
+#: A layer without weights that keeps its input's layout (element-wise ones).
+PASS_THROUGH = LayerKind(_pass_through_layout, lambda layer, c: Elementwise(layer, c.mesh, c.first.batch_split))
+_PER_CHANNEL = {
+    "BatchNormalization":
+        lambda layer, c: ShardedBatchNormalization(layer, c.mesh, c.first.sharded, c.sync_batchnorm),
+    "LayerNormalization": lambda layer, c: ShardedLayerNormalization(layer, c.mesh, c.first.sharded),
+    "RMSNormalization": lambda layer, c: ShardedLayerNormalization(layer, c.mesh, c.first.sharded),
+}
+_KEEPING_LAYOUT = {
+    "MaxPooling2D": lambda layer, c: Pooling(layer, c.mesh, c.first.sharded),
+    "AveragePooling2D": lambda layer, c: Pooling(layer, c.mesh, c.first.sharded),
+    "GlobalAveragePooling2D": lambda layer, c: GlobalPooling(layer),
+    "GlobalMaxPooling2D": lambda layer, c: GlobalPooling(layer),
+    "ZeroPadding2D": lambda layer, c: Padding(layer),
+    "Cropping2D": lambda layer, c: Cropping(layer),
+    "UpSampling2D": lambda layer, c: UpSampling(layer),
+}
+#: Every layer kind channel sharding converts, by Keras class name: its layout rule and its converter.
+KINDS = {
+    "Conv2D": LayerKind(_kernel_layout, _convolution),
+    "Dense": LayerKind(_kernel_layout,
+                       lambda layer, c: ShardedDense(layer, c.mesh, c.mode, input_shape=c.first.folded)),
+    **{kind: LayerKind(_per_channel_layout, convert) for kind, convert in _PER_CHANNEL.items()},
+    "GroupNormalization": LayerKind(_whole_channels_layout,
+                                    lambda layer, c: ShardedGroupNormalization(layer, c.mesh, c.first.batch_split)),
+    "DepthwiseConv2D": LayerKind(_per_channel_layout,
+                                 lambda layer, c: ShardedDepthwiseConv2D(layer, c.mesh, c.first.sharded)),
+    "SeparableConv2D": LayerKind(_kernel_layout, _convolution),
+    "Conv2DTranspose": LayerKind(_transpose_layout, lambda layer, c: ShardedConv2DTranspose(
+        layer, c.mesh, c.first.sharded, c.first.batch_split, c.output.sharded)),
+    "Normalization": LayerKind(_per_channel_layout,
+                               lambda layer, c: ShardedNormalization(layer, c.mesh, c.first.sharded)),
+    **{kind: LayerKind(_pass_through_layout, convert) for kind, convert in _KEEPING_LAYOUT.items()},
+    "Flatten": LayerKind(_flatten_layout, lambda layer, c: None if c.output.folded is not None
+                         else Flatten(layer, c.mesh, c.first.sharded)),
+    "Reshape": LayerKind(_pass_through_layout, lambda layer, c: Reshape(layer)),
+    "Dropout": LayerKind(_pass_through_layout, lambda layer, c: Dropout(layer, c.step, c.index)),
+    "SpatialDropout2D": LayerKind(_pass_through_layout, lambda layer, c: Dropout(layer, c.step, c.index)),
+    **dict.fromkeys(ELEMENTWISE, PASS_THROUGH),
+    **{kind: LayerKind(_merge_layout, _merge) for kind in ("Add", "Subtract", "Multiply", "Average", "Maximum",
+                                                         "Minimum")},
+    "Concatenate": LayerKind(_concatenate_layout, lambda layer, c: Concatenate(layer, c.mesh, c.output.batch_split)),
+}
+SUPPORTED = tuple(KINDS)

@@ -12,8 +12,9 @@ from tensorflow.experimental import dtensor
 
 from keras_cnnpar.keras_compat import fused, graph, losses, rebuild
 from keras_cnnpar.runtime import devices as device_lib
-from keras_cnnpar.strategies import arguments, base, loop
+from keras_cnnpar.strategies import arguments, base, loop, registry
 from keras_cnnpar.strategies.base import Strategy, register
+from keras_cnnpar.strategies.tensor_parallel import memory as tp_memory
 from keras_cnnpar.strategies.tensor_parallel.layers import activation_layout, to_mesh, to_numpy
 from keras_cnnpar.strategies.tensor_parallel.model import ShardedModel
 
@@ -68,6 +69,10 @@ class ChannelSharded(Strategy):
     def __repr__(self):
         return f"<ChannelSharded devices={self.num_devices}>"
 
+    def memory_split(self, model, batch_size):
+        """Kernels sharded over the devices, the whole batch on each (:mod:`.memory`)."""
+        return tp_memory.memory_split(model, batch_size, data=1, shards=self.num_devices)
+
     @property
     def mesh_shape(self):
         return (self.num_devices,)
@@ -99,7 +104,7 @@ class ChannelSharded(Strategy):
         compute_dtype = "bfloat16" if settings.precision == "mixed_bfloat16" else None
         sharded_model = ShardedModel(prepared, self.mesh(), compute_dtype, sync_batchnorm=self.sync_batchnorm)
         optimizer = _MeshOptimizer(prepared.optimizer, sharded_model.trainable_weights,
-                                   rebuild.decayed_by(prepared), fused=settings.fused_optimizer)
+                                   rebuild.decayed_by(prepared), use_kernels=settings.fused_optimizer)
         if prepared.optimizer.built:
             optimizer.set_state(rebuild.optimizer_state(prepared.optimizer))
         return MeshRun(self, settings, prepared, sharded_model, optimizer)
@@ -114,10 +119,10 @@ def _gather_with_collective_gather():
     """Have DTensor all-gather with ``CollectiveGatherV2`` (unless the user set ``GATHER_SWITCH``).
 
     The default's zero tensor is a constant of the gathered activation's shape, which TensorFlow keeps on every
-    device for as long as the step function lives, and its all-reduce moves ``devices`` times the data. The
-    channel-sharded resnet at batch 64 on two CPU devices (AMD Zen 5) held 41.5 MiB between steps and peaked
-    at 139 MiB; with ``CollectiveGatherV2``, 11.1 and 112 MiB, its communication share fell from 24-32% to
-    16% of the step, and its first-step gradients matched Single's as closely (docs/benchmarks.md).
+    device for as long as the step function lives, and its all-reduce moves ``devices`` times the data. With
+    ``CollectiveGatherV2`` a channel-sharded model holds less memory between steps and at its peak, and spends a
+    smaller share of its step communicating, with the same first-step gradients
+    (docs/measurements/2026-12-02-zen5.md).
     """
     os.environ.setdefault(GATHER_SWITCH, "1")
 
@@ -204,6 +209,17 @@ class Hybrid(ChannelSharded):
     device_option = "mesh"
     mesh_axes = ("batch", "model")
 
+    @classmethod
+    def configurations(cls, devices, batch_size):
+        """Every mesh of ``data x model = devices`` with at least 2 on each axis.
+
+        >>> Hybrid.configurations(8, batch_size=64)
+        [(('data', 2), ('model', 4)), (('data', 4), ('model', 2))]
+        """
+        if registry.invalid(cls, devices):
+            return []
+        return [(("data", d), ("model", devices // d)) for d in range(2, devices // 2 + 1) if devices % d == 0]
+
     def __init__(self, data=2, model=2, *, sync_batchnorm=True):
         super().__init__(devices=arguments.positive_int("data", data) * arguments.positive_int("model", model))
         self.data, self.model = data, model
@@ -211,6 +227,9 @@ class Hybrid(ChannelSharded):
 
     def __repr__(self):
         return f"<Hybrid data={self.data} model={self.model}>"
+
+    def memory_split(self, model, batch_size):
+        return tp_memory.memory_split(model, batch_size, data=self.data, shards=self.model)
 
     @property
     def mesh_shape(self):
@@ -340,7 +359,7 @@ class _MeshOptimizer:
     of them) shrinks each variable the Keras optimizer decays (its
     ``exclude_from_weight_decay`` kept) before the update, as Keras does, after
     Keras's clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``). With
-    ``fused`` the updates of SGD and Adam run as TensorFlow's fused kernels
+    ``use_kernels`` the updates of SGD and Adam run as TensorFlow's fused kernels
     (``ResourceApplyAdam``, ``ResourceApplyKerasMomentum``), which DTensor runs
     on each device's shard of a DVariable, with Keras's results (see
     ``cnnpar.fused``); RMSprop's, and a decayed variable's, are element-wise,
@@ -350,13 +369,11 @@ class _MeshOptimizer:
         optimizer: the Keras optimizer whose rule and settings to run.
         variables: the DVariables it updates, in the Keras model's trainable order.
         decayed: for each of ``variables``, whether weight decay applies to it.
-        fused: whether SGD and Adam run as fused kernels.
+        use_kernels: whether SGD and Adam run as fused kernels.
     """
 
-    SLOTS: typing.ClassVar = {"SGD": ("momentum",), "Adam": ("momentum", "velocity"), "AdamW": ("momentum", "velocity"),
-                              "RMSprop": ("velocity", "momentum", "average_gradient"), "Adagrad": ("accumulator",),
-                              "Adamax": ("momentum", "norm"), "Lion": ("momentum",)}
-    #: The optimizers whose update runs as a fused kernel when ``fused`` (the others' are element-wise).
+    #: The optimizers whose update runs as a fused kernel (``fused.RULES``) with ``use_kernels``; the others' are
+    #: element-wise here. The slots of every optimizer come from ``fused.RULES``.
     FUSED: typing.ClassVar = ("SGD", "Adam", "AdamW")
     #: The optimizers whose slots Keras orders by kind (every variable's first slot, then every second), not by
     #: variable.
@@ -365,12 +382,12 @@ class _MeshOptimizer:
     DEFAULTS: typing.ClassVar = {
         "use_ema": False, "loss_scale_factor": None, "gradient_accumulation_steps": None, "amsgrad": False}
 
-    def __init__(self, optimizer, variables, decayed=None, fused=True):
+    def __init__(self, optimizer, variables, decayed=None, use_kernels=True):
         kind = type(optimizer).__name__
-        if kind not in self.SLOTS:
-            raise ValueError(f"tensor-parallel training implements the optimizers {sorted(self.SLOTS)}. "
+        if kind not in fused.RULES:
+            raise ValueError(f"tensor-parallel training implements the optimizers {sorted(fused.RULES)}. "
                              f"Received: optimizer={kind}")
-        self.kind, self.config, self.fused = kind, optimizer.get_config(), fused
+        self.kind, self.config, self.use_kernels = kind, optimizer.get_config(), use_kernels
         #: Keras's own clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``): on DVariables' gradients its
         #: norms are DTensor reductions over every shard, so a sharded gradient is clipped as a whole one is.
         self.clip = optimizer._clip_gradients
@@ -393,7 +410,7 @@ class _MeshOptimizer:
     def _slot_names(self):
         """The slots each variable has: SGD's momentum only with a momentum, RMSprop's only with a momentum and
         its average gradient only when centered."""
-        names = self.SLOTS[self.kind]
+        names = fused.RULES[self.kind].slots
         if self.kind == "SGD":
             return names if self.config["momentum"] else ()
         if self.kind == "RMSprop":
@@ -429,7 +446,7 @@ class _MeshOptimizer:
             learning_rate = self.schedule(iterations)
         rule = {"SGD": self._sgd, "RMSprop": self._rmsprop, "Adagrad": self._adagrad, "Adamax": self._adamax,
                 "Lion": self._lion}.get(self.kind, self._adam)
-        fusable = self.fused and self.kind in self.FUSED
+        fusable = self.use_kernels and self.kind in self.FUSED
         for gradient, variable, slots, decayed in zip(gradients, variables, self.slots, self.decayed):
             rate = tf.cast(learning_rate, variable.dtype)
             if fusable and not decayed:
@@ -502,23 +519,10 @@ class _MeshOptimizer:
         return step
 
     def _fused(self, gradient, variable, slots, learning_rate, iterations):
-        """SGD's or Adam's update of ``variable`` by TensorFlow's fused kernel."""
+        """SGD's or Adam's update of ``variable`` by TensorFlow's fused kernel (``fused.RULES``)."""
         dtype = variable.dtype
-        if self.kind == "SGD":
-            if not slots:
-                variable.assign_sub(gradient * learning_rate)
-                return
-            tf.raw_ops.ResourceApplyKerasMomentum(
-                var=variable.handle, accum=slots["momentum"].handle, lr=learning_rate, grad=gradient,
-                momentum=self._scalar(self.config["momentum"], dtype), use_nesterov=self.config["nesterov"])
-            return
-        beta_1, beta_2 = self.config["beta_1"], self.config["beta_2"]
-        beta_1_power, beta_2_power = self._beta_powers(iterations, dtype)
-        tf.raw_ops.ResourceApplyAdam(
-            var=variable.handle, m=slots["momentum"].handle, v=slots["velocity"].handle,
-            beta1_power=beta_1_power, beta2_power=beta_2_power,
-            lr=learning_rate * fused.second_moment_correction(beta_2, dtype), beta1=self._scalar(beta_1, dtype),
-            beta2=self._scalar(beta_2, dtype), epsilon=self._scalar(self.config["epsilon"], dtype), grad=gradient)
+        fused.RULES[self.kind].kernel(self.config, variable, slots, gradient, learning_rate, iterations,
+                                      lambda value: self._scalar(value, dtype))
 
     def _beta_powers(self, iterations, dtype):
         """Adam's ``beta_1`` and ``beta_2`` to the power of the step being taken (``iterations + 1``)."""
