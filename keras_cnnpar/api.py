@@ -26,7 +26,7 @@ from keras_cnnpar.strategies import arguments
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
         validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0, resume=False,
-        precision="float32", fused_optimizer=True, **fit_kwargs):
+        precision="float32", fused_optimizer=True, save_weights=False, **fit_kwargs):
     """Train ``model`` under ``strategy`` and return a Keras ``History``, as ``model.fit`` does.
 
     The model is rebuilt for the strategy (weights, optimizer config and state,
@@ -60,6 +60,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             and kin; see ``cnnpar.fused``), with Keras's results; False keeps Keras's element-wise update,
             for comparison (the tensor-parallel mesh optimizer follows the same switch).
         results_dir: folder of the run's CSVs and log; ``None`` switches logging off.
+        save_weights: also write the trained weights into ``results_dir``, as ``cnnpar train`` does: the run's
+            own ``.weights.h5`` and the configuration's (its latest run's), put in place with the run's row of
+            ``runs.csv``; a failure to write them (a full disk) logs the run as failed, leaves the files of the
+            runs before as they were, and raises ``keras_cnnpar.results.callbacks.RunNotRecorded``.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         callbacks: Keras callbacks, run against ``model`` (``self.model`` is the user's model, which holds
             each completed epoch's weights; see ``cnnpar.user_callbacks``).
@@ -73,7 +77,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         history = fitting.fit(model, x, y, strategy=strategy, results_dir=results_dir, batch_size=batch_size,
                               epochs=epochs, validation_data=validation_data, validation_split=validation_split,
                               shuffle=shuffle, callbacks=callbacks, initial_epoch=initial_epoch, resume=resume,
-                              precision=precision, fused_optimizer=fused_optimizer, note=note, **fit_kwargs)
+                              precision=precision, fused_optimizer=fused_optimizer, note=note,
+                              save_weights=save_weights, **fit_kwargs)
     history.plan = plan
     return history
 

@@ -11,9 +11,10 @@ import time
 import click
 
 from keras_cnnpar import __version__
+from keras_cnnpar.cluster import environments
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.results import runs
-from keras_cnnpar.runtime import startup
+from keras_cnnpar.runtime import atomic, startup
 from keras_cnnpar.runtime.subprocesses import python_command
 from keras_cnnpar.strategies import arguments, registry
 from keras_cnnpar.zoo.names import MODEL_NAMES
@@ -26,7 +27,28 @@ PRECISION = click.option(
     "--precision", type=click.Choice(arguments.PRECISION_CHOICES), default="float32", show_default=True,
     help="Keras mixed-precision policy of training: mixed_bfloat16 on CPUs with AMX/AVX512-BF16 or GPUs with "
          "bfloat16, mixed_float16 on GPUs (with loss scaling); auto: mixed_bfloat16 where the hardware has it, "
-         "else float32; see docs/strategies.md.")
+         "else float32; see docs/precision.md.")
+
+
+class RegisteredStrategy(click.Choice):
+    """The registered strategies' names, and ``extra`` names, read when a command runs: a strategy registered
+    after this module was imported (a user's, see :mod:`keras_cnnpar.strategies.registry`) is a choice too.
+
+    >>> "mirrored" in RegisteredStrategy("auto").choices, RegisteredStrategy("auto").choices[-1]
+    (True, 'auto')
+    """
+
+    def __init__(self, *extra):
+        self.extra = extra
+        super().__init__([])
+
+    @property
+    def choices(self):
+        return [*registry.names(), *self.extra]
+
+    @choices.setter
+    def choices(self, value):
+        """Click's own constructor sets the choices; they are the registry's."""
 
 
 def _quiet_tensorflow():
@@ -57,7 +79,7 @@ def main():
 @click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
               help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers; resnet: a residual CNN with "
                    "BatchNormalization (functional).")
-@click.option("--strategy", "strategy_name", type=click.Choice([*registry.names(), "auto"]), default="single",
+@click.option("--strategy", "strategy_name", type=RegisteredStrategy("auto"), default="single",
               show_default=True,
               help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries())
               + "; auto: the fastest configuration on --devices whose first step matches single's, measured "
@@ -72,8 +94,8 @@ def main():
               help="For hybrid: replicas on the batch axis x shards on the channel axis, e.g. 2x2 (default).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="For multi-worker: start this many worker processes on this machine (without it, this process "
-                   "is one worker of the cluster in TF_CONFIG). For async-ps: workers of the local cluster "
-                   "(default 2).")
+                   "is one worker of the cluster that TF_CONFIG, srun or a Kubernetes Indexed Job describes). For "
+                   "async-ps: workers of the local cluster (default 2).")
 @click.option("--ps", type=click.IntRange(min=1), default=None,
               help="For async-ps: parameter servers of the local cluster (default 1).")
 @click.option("--cluster", "cluster_spec", type=click.Path(dir_okay=False), default=None,
@@ -134,7 +156,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     --workers N, N worker processes run this same command; only the chief
     (worker 0) writes files, and any worker's failure fails the command.
     """
-    if workers is not None and strategy_name == "multi-worker" and not cluster_lib.cluster_in_environment():
+    if workers is not None and strategy_name == "multi-worker" and environments.detect() is None:
         return _launch_workers(workers)  # without TensorFlow: the launcher only waits on its workers
     _quiet_tensorflow()
     from keras_cnnpar import strategies
@@ -148,8 +170,9 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
 
     import keras
 
-    from keras_cnnpar import api as training
+    from keras_cnnpar import api
     from keras_cnnpar.plan.checks import ShardCheckFailed
+    from keras_cnnpar.results.callbacks import RunNotRecorded
     from keras_cnnpar.runtime import devices as device_lib
     from keras_cnnpar.zoo import data as data_lib
     from keras_cnnpar.zoo import models
@@ -174,12 +197,11 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
             strategy = strategy.replace(checkpoint_dir=None)  # --no-log writes nothing; --checkpoint-dir keeps them
         local_devices = strategy.local_devices
     _check_writable(None if no_log else results_dir, "--results")  # before training: no run lost at its end
+    _check_runs_csv(None if no_log else results_dir)
     _check_writable(export_dir, "--export")
-    if export_dir is not None and export_version is not None \
-            and os.path.exists(os.path.join(export_dir, str(export_version))):
-        raise click.BadParameter(f"{os.path.join(export_dir, str(export_version))} already exists; choose another "
-                                 f"version or use `cnnpar export --force` after training. "
-                                 f"Received: --version {export_version}", param_hint="--version")
+    _check_writable(checkpoint_dir if user_checkpoint_dir else None, "--checkpoint-dir")
+    _refuse_existing_version(export_dir, export_version,
+                             "choose another version or use `cnnpar export --force` after training")
     click.echo(device_lib.describe(device_lib.configure(local_devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
@@ -191,26 +213,21 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     started = time.perf_counter()
     validation = (val_part.x, val_part.y) if len(val_part) else None
     try:
-        history = training.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
-                               batch_size=batch_size, validation_data=validation, verbose=verbose,
-                               results_dir=None if no_log else results_dir, precision=precision,
-                               fused_optimizer=fused_optimizer,
-                               callbacks=_checks(model, strategy, train_part, batch_size) if checks else None)
+        history = api.fit(model, train_part.x, train_part.y, strategy=strategy, epochs=epochs,
+                          batch_size=batch_size, validation_data=validation, verbose=verbose,
+                          results_dir=None if no_log else results_dir, precision=precision,
+                          fused_optimizer=fused_optimizer, save_weights=True,
+                          callbacks=_checks(model, strategy, train_part, batch_size) if checks else None)
     except strategies.Preempted as preempted:
         click.echo(f"preempted: {preempted}", err=True)
         raise
-    except (strategies.PeerLost, ShardCheckFailed) as error:
+    except (strategies.PeerLost, ShardCheckFailed, RunNotRecorded) as error:  # RunNotRecorded: a full disk, say
         raise click.ClickException(str(error)) from None
     except ValueError as error:  # refused before training (a resume that does not match, a results file)
         raise Refused(str(error)) from None
     strategy = history.strategy  # the one "auto" chose
     if not strategy.is_chief:
         return
-    if not no_log:
-        from keras_cnnpar import serving
-
-        for name in runs.weights_files(history.run_record):
-            serving.save_weights(model, os.path.join(results_dir, name))
     if export_dir is not None:
         _export(model, export_dir, export_version, force=False)
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
@@ -263,12 +280,11 @@ def _refuse_to_overwrite(paths, force):
 
 
 def _check_worker_count(workers):
-    """In a worker that TF_CONFIG (or a Slurm job step) describes, --workers must agree with it."""
-    from keras_cnnpar.strategies import multi_worker
-
-    source = "the Slurm job step" if cluster_lib.slurm_step() else "TF_CONFIG"
+    """In a worker that its environment describes (TF_CONFIG, a Slurm job step, ...), --workers must agree with it."""
+    environment = environments.resolve()
+    source = environment.name
     try:
-        task = multi_worker.environment_task()
+        task = environment.task()
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint=source) from None
     if task.num_workers != workers:
@@ -320,18 +336,36 @@ class Refused(click.ClickException):
     exit_code = 2
 
 
-def _check_writable(folder, option):
-    """A usage error unless ``folder`` (or, where it does not exist yet, its nearest existing parent) is a
-    folder this process can create files in; None passes."""
+def _check_writable(folder, option, value=None):
+    """A usage error unless this process can create files in ``folder`` (or, where it does not exist yet, in
+    its nearest existing parent), found by creating one there (:func:`atomic.probe_folder`); None passes.
+    ``value``: what the user gave ``option``, where that is a file in ``folder``."""
     if folder is None:
         return
-    existing = os.path.abspath(folder)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a folder" if not os.path.isdir(existing) else "is not writable"
-        raise click.BadParameter(f"cannot write into {folder}: {existing} {what}; nothing was trained. "
-                                 f"Received: {option} {folder}", param_hint=option)
+    try:
+        atomic.probe_folder(folder)
+    except OSError as error:
+        where = error.filename or folder
+        raise click.BadParameter(f"cannot write into {folder}: {where}: {os.strerror(error.errno)}; nothing was "
+                                 f"done. Received: {option} {value or folder}", param_hint=option) from None
+
+
+def _refuse_existing_version(base_dir, version, remedy):
+    """A usage error (before any work) where the export version ``version`` of ``base_dir`` exists already."""
+    if base_dir is not None and version is not None and os.path.exists(os.path.join(base_dir, str(version))):
+        raise click.BadParameter(f"{os.path.join(base_dir, str(version))} already exists; {remedy}. "
+                                 f"Received: --version {version}", param_hint="--version")
+
+
+def _check_runs_csv(results_dir):
+    """Refuse (exit 2) a results folder whose ``runs.csv`` could not take a run's row without losing one (see
+    ``runs.check_runs_csv``); None passes. It only reads: an older file is migrated when the run starts."""
+    if results_dir is None:
+        return
+    try:
+        runs.check_runs_csv(results_dir)
+    except ValueError as error:
+        raise Refused(str(error)) from None
 
 
 def _export(model, base_dir, version, force):
@@ -346,15 +380,19 @@ def _export(model, base_dir, version, force):
 
 
 def _csv_list(kind, choices=None):
+    """A click callback parsing a comma-separated list of ``kind``; ``choices``, a list or a function returning
+    one (read when the command runs), limits the values."""
+
     def parse(ctx, param, value):
+        allowed = choices() if callable(choices) else choices
         items = [v.strip() for v in value.split(",") if v.strip()]
         try:
             items = [kind(v) for v in items]
         except ValueError:
             raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}. Received: {value}") from None
-        bad = [v for v in items if choices is not None and v not in choices]
+        bad = [v for v in items if allowed is not None and v not in allowed]
         if bad or not items:
-            expected = sorted(choices) if choices else kind.__name__
+            expected = sorted(allowed) if allowed else kind.__name__
             raise click.BadParameter(f"expected a comma-separated list of {expected}. Received: {value}")
         return items
 
@@ -365,7 +403,7 @@ def _csv_list(kind, choices=None):
 @click.option("--models", "model_kinds", default=",".join(MODELS), show_default=True, callback=_csv_list(str, MODELS),
               help="Comma-separated model kinds.")
 @click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
-              show_default=True, callback=_csv_list(str, registry.names()), help="Comma-separated strategy names.")
+              show_default=True, callback=_csv_list(str, registry.names), help="Comma-separated strategy names.")
 @click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int),
               help="Comma-separated device counts (workers for async-ps and multi-worker).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
@@ -466,6 +504,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
 @click.option("--results", "results_dir", type=click.Path(file_okay=False), default="results", show_default=True)
 def report(results_dir):
     """Summarize RESULTS: a table (printed, summary.csv, summary.md) and plots, flagging efficiency below 80%."""
+    _check_writable(results_dir, "--results")
     from keras_cnnpar.plan import experiments
 
     try:
@@ -492,6 +531,9 @@ def export_command(weights, model_kind, base_dir, version, force):
 
     Writes OUT/VERSION/saved_model.pb, variables/ and assets.extra/tf_serving_warmup_requests.
     """
+    _check_writable(base_dir, "--out")
+    if not force:
+        _refuse_existing_version(base_dir, version, "pass --force to replace it, or choose another version")
     _quiet_tensorflow()
     from keras_cnnpar import serving
 
@@ -514,6 +556,7 @@ def predict(model_dir, test_csv, out, force):
 
     Bad input exits with code 2 and writes nothing.
     """
+    _check_writable(os.path.dirname(os.path.abspath(out)), "--out", out)
     _quiet_tensorflow()
     from keras_cnnpar import serving
     from keras_cnnpar.zoo import data as data_lib
@@ -531,7 +574,8 @@ def predict(model_dir, test_csv, out, force):
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Worker processes to start (under srun: one per Slurm task, this option optional).")
+              help="Worker processes to start (under srun or in a Kubernetes Indexed Job: one per task, this option "
+                   "optional).")
 @click.option("--network", "network_kind", type=click.Choice(["private", "host"]), default="private",
               show_default=True, help="private: the workers see only their own loopback (nothing can reach their "
                                       "servers; they reach no remote service); host: this machine's network.")
@@ -552,10 +596,11 @@ def launch(workers, network_kind, command):
     servers listen on its interfaces). The chief's output is streamed; a
     failing worker fails the command, naming it; SIGTERM and Ctrl-C are passed
     on. The same script runs on several hosts with TF_CONFIG and
-    CNNPAR_MULTI_WORKER=1 set on each. Under srun (a Slurm job step, no
-    TF_CONFIG) each Slurm task is one worker: the command runs once, in this
-    process's network, and joins the cluster that TensorFlow's
-    SlurmClusterResolver builds from Slurm's variables:
+    CNNPAR_MULTI_WORKER=1 set on each. Where a scheduler started each worker
+    (no TF_CONFIG; srun's Slurm job step, or a Kubernetes Indexed Job's pods
+    with CNNPAR_K8S_WORKERS and CNNPAR_K8S_SERVICE set) the command runs once,
+    in this process's network, and joins the cluster that the scheduler's
+    variables describe (keras_cnnpar.cluster.environments):
 
     \b
       srun --ntasks-per-node=1 cnnpar launch -- python train.py --epochs 3
@@ -563,12 +608,14 @@ def launch(workers, network_kind, command):
     from keras_cnnpar.cluster import local_workers
 
     command = [sys.executable if command[0] in ("python", "python3") else command[0], *command[1:]]
-    if cluster_lib.slurm_step():
+    environment = environments.detect()
+    if environment is not None and environment.creates_processes_externally:
         if workers is not None:
             _check_worker_count(workers)
         os.execvpe(command[0], command, {**os.environ, cluster_lib.JOIN_AT_IMPORT: "1"})
     if workers is None:
-        raise click.UsageError("Missing option '--workers' (needed outside a Slurm job step).")
+        schedulers = " or ".join(kind.name for kind in environments.ENVIRONMENTS if kind.creates_processes_externally)
+        raise click.UsageError(f"Missing option '--workers' (needed unless {schedulers} started this process).")
     code = local_workers.launch(command, workers, env={cluster_lib.JOIN_AT_IMPORT: "1"}, network_kind=network_kind)
     if code:
         sys.exit(code)
@@ -635,7 +682,7 @@ def cluster_serve(spec_path, job, index):
     the spec names, then train from any host with `cnnpar train --strategy
     async-ps --cluster SPEC`. It prints one line when the server is up. The
     server listens on every interface of its host at its port and runs any graph
-    sent to it, unauthenticated: use it on trusted networks only (docs/strategies.md).
+    sent to it, unauthenticated: use it on trusted networks only (docs/hosts.md).
     """
     startup.quiet_start(keras=False)  # a server runs the graphs sent to it
     from keras_cnnpar.cluster import servers
@@ -665,6 +712,7 @@ def kaggle(out_dir, test_fraction, seed, force):
 
     train.csv has label,pixel0..pixel783; test.csv has pixel0..pixel783 and no label.
     """
+    _check_writable(out_dir, "--out")
     _quiet_tensorflow()
     from keras_cnnpar.zoo import data as data_lib
 

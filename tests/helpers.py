@@ -18,20 +18,19 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from keras_cnnpar import api as training
-from keras_cnnpar import cli
+from keras_cnnpar import api, cli
 from keras_cnnpar.cluster import spec as cluster
 from keras_cnnpar.runtime import hardware
 from keras_cnnpar.strategies import registry
 from keras_cnnpar.zoo import models
 
-#: Validation accuracy after 3 epochs at batch 64 on the default split (documented in docs/benchmarks.md).
+#: Validation accuracy after 3 epochs at batch 64 on the default split (documented in README.md).
 FLOORS = {"2+2": 0.93, "3+3": 0.92, "resnet": 0.92}  # resnet under Single: 0.939, 0.952, 0.956 (seeds 0-2)
 #: Set by the root conftest.py for the whole session: every process the suite starts inherits it, so the
 #: end-of-session check can find any left behind.
 SUITE_MARK = "CNNPAR_TEST_SUITE"
 #: Accuracy floors in bfloat16 run where the CPU computes it natively; elsewhere TensorFlow emulates bfloat16 at
-#: a fifth of float32's speed (docs/benchmarks.md). The bfloat16 parity tests run everywhere.
+#: a fifth of float32's speed (docs/precision.md). The bfloat16 parity tests run everywhere.
 NATIVE_BFLOAT16 = pytest.mark.skipif(not hardware.native_bfloat16(),
                                      reason="this CPU emulates bfloat16 (no AVX512-BF16 or AMX-BF16)")
 #: The registered strategies that train in the test's own process; the others (registry fact ``needs_cluster``)
@@ -85,7 +84,7 @@ def build_small_cnn(seed=0, learning_rate=0.1, optimizer=None, dtype=None):
         ], name="small_cnn")
     model.compile(optimizer=optimizer or keras.optimizers.SGD(learning_rate),
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    return training.parallel(model)
+    return api.parallel(model)
 
 
 @contextlib.contextmanager
@@ -136,7 +135,7 @@ def build_cnn_with_operations_on_tensors():
     model = keras.Model(inputs, keras.layers.Dense(10, name="out")(x))
     model.compile(optimizer=keras.optimizers.SGD(0.1),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return training.parallel(model)
+    return api.parallel(model)
 
 
 def build_resnet(seed=0, learning_rate=0.1, dtype="float32"):
@@ -162,7 +161,7 @@ def build_resnet_float64(seed=0):
 
 def one_sgd_step(model, strategy, batch, **fit_kwargs):
     """``model`` after one unshuffled step on the whole of ``batch`` (``(x, y)``) under ``strategy``."""
-    training.fit(model, *batch, strategy=strategy, batch_size=len(batch[0]), epochs=1, shuffle=False, verbose=0,
+    api.fit(model, *batch, strategy=strategy, batch_size=len(batch[0]), epochs=1, shuffle=False, verbose=0,
                  results_dir=None, **fit_kwargs)
     return model
 
@@ -223,6 +222,27 @@ def processes(commands, cwd, envs):
         for process in started:
             kill_tree(process.pid)
             process.communicate()
+
+
+@contextlib.contextmanager
+def tmpfs(folder, size):
+    """A tmpfs of ``size`` (as ``mount`` takes it: ``"1m"``) mounted on ``folder`` for the block, a small disk that
+    fills; the test is skipped where it cannot be mounted (not root). It is unmounted lazily: a file a failed
+    write left open (h5py's, held by the exception's traceback) keeps it until that file is closed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs of {size} on {folder}: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+def fill(folder, leave):
+    """Fill the disk of ``folder`` with a file until ``leave`` bytes are free."""
+    (folder / "filler").write_bytes(bytes(os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize - leave))
 
 
 def kill_tree(pid):

@@ -7,7 +7,14 @@ import tensorflow as tf
 import keras_cnnpar as cnnpar
 from keras_cnnpar.keras_compat import rebuild
 from keras_cnnpar.plan import checks
-from tests.helpers import build_cnn_with_operations_on_tensors, build_small_cnn, max_weight_difference
+from keras_cnnpar.results import runs
+from tests.helpers import (
+    build_cnn_with_operations_on_tensors,
+    build_small_cnn,
+    max_weight_difference,
+    read_rows,
+    run_cli,
+)
 
 
 class SummedReplicaGradients(cnnpar.DataParallel):
@@ -114,3 +121,20 @@ def test_accumulating_two_steps_equals_one_step_on_twice_the_batch(few_digits, s
     assert max_weight_difference(once, build_small_cnn()) > 1e-3
     assert max_weight_difference(once, accumulated) < 1e-5
     assert int(accumulated.optimizer.iterations.numpy()) == 1  # one update for the two micro-batches
+
+
+@pytest.mark.parametrize("args", [["--strategy", "single"], ["--strategy", "mirrored", "--devices", "2"]], ids=" ".join)
+@pytest.mark.parametrize("verbose", ["1", "2"])
+def test_train_with_checks_records_the_run_under_a_progress_bar(small_csv, tmp_path, args, verbose):
+    """Keras's progress bar averages every value of the logs; the checks' words (``pass``, ``trace``) failed it
+    after training, and the run had no row and no weights."""
+    result = run_cli("train", *args, "--checks", "--epochs", 1, "--data", small_csv, "--results", tmp_path,
+                     "--verbose", verbose)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "grad_parity_verdict pass" in result.output  # the run summary's last values, words too
+    (row,) = read_rows(tmp_path / "runs.csv")
+    assert row["time_split"] == "trace"
+    assert sum(float(row[column]) for column in runs.SHARE_COLUMNS) == pytest.approx(1.0, abs=2e-3)
+    (epoch,) = read_rows(tmp_path / row["epoch_csv"])
+    assert (epoch["grad_parity_verdict"], epoch["time_split"]) == ("pass", "trace")
+    assert (tmp_path / row["epoch_csv"].replace(".csv", ".weights.h5")).exists()

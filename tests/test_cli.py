@@ -8,9 +8,10 @@ import click
 import pytest
 
 from keras_cnnpar import cli
+from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
 from keras_cnnpar.zoo import data
-from tests.helpers import BAD_TRAIN_FILES, ENV, processes, write_lines
+from tests.helpers import BAD_TRAIN_FILES, ENV, cnnpar_command, processes, read_rows, tmpfs, write_lines
 from tests.helpers import run_cli as run
 
 RUN_NAME = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev"
@@ -62,12 +63,52 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path, case):
     path = write_lines(tmp_path / "train.csv", lines)
     results = tmp_path / "results"
     results.mkdir()
-    (results / "runs.csv").write_text("earlier run\n")
+    earlier = runs.csv_text(runs.RUNS_COLUMNS, [dict.fromkeys(runs.RUNS_COLUMNS, "earlier run")])
+    (results / "runs.csv").write_bytes(earlier.encode())
     result = run("train", "--data", path, "--results", results)
     assert result.exit_code == 2
     assert message.format(path=path) in " ".join(result.output.split())
     assert [p.name for p in results.iterdir()] == ["runs.csv"]
-    assert (results / "runs.csv").read_text() == "earlier run\n"
+    assert (results / "runs.csv").read_bytes() == earlier.encode()
+
+
+def test_train_refuses_a_hand_edited_runs_csv_header_in_one_line_before_anything_runs(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    earlier = runs.csv_text(runs.RUNS_COLUMNS, [dict.fromkeys(runs.RUNS_COLUMNS, str(n)) for n in range(2)])
+    header, rows = earlier.split("\n", 1)
+    edited = header.replace(",machine,", ",") + "\n" + rows  # the name removed by hand, the rows untouched
+    (results / "runs.csv").write_bytes(edited.encode())
+    result = run("train", "--model", "3+3", "--epochs", 1, "--results", results)
+    assert result.exit_code == 2
+    (line,) = result.output.splitlines()
+    assert line.startswith(f"Error: {results / 'runs.csv'}, line 1: ") and \
+        "it lacks machine and has no column besides. Received: header='timestamp,model," in line
+    assert (results / "runs.csv").read_bytes() == edited.encode()  # every earlier row kept
+    assert [p.name for p in results.iterdir()] == ["runs.csv"]  # nothing trained, nothing written
+
+
+@pytest.mark.slow
+def test_train_on_a_disk_that_fills_exits_1_in_one_line_and_the_folder_still_holds_the_earlier_run(small_csv, tmp_path):
+    with tmpfs(tmp_path / "disk", "3m") as results:  # the 3+3's weights (2 MB) fit once
+        command = cnnpar_command("train", "--model", "3+3", "--epochs", "1", "--data", small_csv, "--results",
+                                 results, "--verbose", "0")
+        first = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-2000:]
+        (recorded,) = read_rows(results / "runs.csv")
+        weights = results / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5"
+        before = weights.read_bytes()
+        second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1, second.stderr[-2000:]  # not 139 (h5py's SIGSEGV)
+        assert "Traceback" not in second.stderr
+        assert second.stderr.splitlines()[-1] == (
+            f"Error: the run trained, but its results could not be written into {results}: No space left on device; "
+            f"runs.csv and the weights still hold the runs before it, and results.log says this run failed. "
+            f"Received: OSError errno=28")
+        assert read_rows(results / "runs.csv") == [recorded] and weights.read_bytes() == before
+        log = (results / "results.log").read_text().splitlines()
+        assert [line.split()[1] for line in log if recorded["run_id"] not in line][-1] == "failed"
+        assert [path.name for path in results.rglob("*") if ".partial" in path.name] == []
 
 
 def test_missing_data_file_exits_2(tmp_path):

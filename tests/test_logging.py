@@ -12,8 +12,9 @@ import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.plan import experiments
-from keras_cnnpar.results import checkpoints, runs
-from tests.helpers import ENV, documented_runs_columns
+from keras_cnnpar.results import callbacks, checkpoints, runs
+from keras_cnnpar.runtime import atomic
+from tests.helpers import ENV, documented_runs_columns, fill, tmpfs
 from tests.helpers import read_rows as read
 
 EPOCH_COLUMNS = ["epoch", "accuracy", "devices", "epoch_seconds", "global_batch", "images_per_second", "loss",
@@ -185,9 +186,11 @@ def test_a_runs_csv_of_unknown_columns_is_refused_before_training_and_left_alone
     with pytest.raises(ValueError) as raised:
         train(small_cnn(), tmp_path, epochs=1)
     assert str(raised.value) == (
-        f"{tmp_path / 'runs.csv'}, line 1: expected the header {','.join(runs.RUNS_COLUMNS)} (or an older one with "
-        f"some of these columns). Received: 'timestamp;model;strategy'; move the file aside or fix it, then run "
-        f"again (a missing runs.csv is started anew)")
+        f"{tmp_path / 'runs.csv'}, line 1: expected the header of this version's runs.csv or an older version's, "
+        f"whose rows a migration keeps; against an older version's, it lacks "
+        f"{','.join(runs.OLDER_RUNS_COLUMNS[0])} and has timestamp;model;strategy besides. Received: "
+        f"header='timestamp;model;strategy'; restore the header or move the file aside, then run again (a missing "
+        f"runs.csv is started anew)")
     assert (tmp_path / "runs.csv").read_text() == "timestamp;model;strategy\n2026;m;single\n"  # left alone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs.csv"]  # nothing trained, nothing written
 
@@ -199,15 +202,69 @@ def test_a_runs_csv_of_an_older_version_is_migrated_keeping_its_rows(small_cnn, 
     (tmp_path / "runs.csv").write_text(runs.csv_text(old_columns, [old_row]))
     with pytest.warns(UserWarning) as warned:
         train(small_cnn(), tmp_path, epochs=1, strategy="mirrored")
+    (backup,) = tmp_path.glob("runs.csv.*.bak")
     assert [str(w.message) for w in warned] == [
         f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added precision,data,run_id,version,"
         f"tensorflow,machine,compute_share,communication_share,input_share,idle_share,time_split (empty in the 1 "
-        f"earlier rows)"]
+        f"earlier rows); the file as it was is kept as {backup.name}"]
+    assert backup.read_bytes() == runs.csv_text(old_columns, [old_row]).encode()
     rows = read(tmp_path / "runs.csv")
     assert list(rows[0]) == runs.RUNS_COLUMNS and len(rows) == 2
     assert {k: rows[0][k] for k in ("model", "images_per_second", "machine")} == {
         "model": "small_cnn", "images_per_second": "5000", "machine": ""}
     assert rows[1]["speedup"] == ""  # the old Single row does not say on which data and machine it ran
+
+
+def hand_edited_runs_csv(folder, rows=2):
+    """A ``runs.csv`` of ``rows`` runs whose header lost the name ``machine`` by hand (its rows untouched); its text."""
+    text = runs.csv_text(runs.RUNS_COLUMNS, [run_row("m", "single", 1, 64, 100 + n) for n in range(rows)])
+    header, rest = text.split("\n", 1)
+    text = header.replace(",machine,", ",") + "\n" + rest
+    (folder / "runs.csv").write_text(text)
+    return text
+
+
+def test_a_hand_edited_runs_csv_header_is_refused_naming_the_difference_and_left_alone(tmp_path):
+    text = hand_edited_runs_csv(tmp_path)
+    with pytest.raises(ValueError) as raised:
+        runs.prepare_runs_csv(tmp_path)
+    assert str(raised.value) == (
+        f"{tmp_path / 'runs.csv'}, line 1: expected the header of this version's runs.csv or an older version's, "
+        f"whose rows a migration keeps; against this version's, it lacks machine and has no column besides. "
+        f"Received: header='{text.splitlines()[0][:100]}...'; restore the header or move the file aside, then run "
+        f"again (a missing runs.csv is started anew)")
+    with pytest.raises(ValueError, match="it lacks machine and has no column besides"):
+        runs.check_runs_csv(tmp_path)
+    assert (tmp_path / "runs.csv").read_bytes() == text.encode()  # every row kept, nothing else written
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
+
+
+def test_an_older_runs_csv_with_a_row_it_cannot_map_is_refused_not_dropped(tmp_path):
+    old_columns = runs.OLDER_RUNS_COLUMNS[-1]
+    text = runs.csv_text(old_columns, [dict.fromkeys(old_columns, "1")] * 2)
+    text += "1,2,3\n"  # a line cut short by hand
+    (tmp_path / "runs.csv").write_text(text)
+    with pytest.raises(ValueError) as raised:
+        runs.prepare_runs_csv(tmp_path)
+    assert str(raised.value).startswith(
+        f"{tmp_path / 'runs.csv'}, line 4: expected {len(old_columns)} comma-separated values, as under its header "
+        f"(an older version's), to migrate it to this version's columns. Received: 3 values; ")
+    assert (tmp_path / "runs.csv").read_bytes() == text.encode()
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
+
+
+@pytest.mark.parametrize("old_columns", runs.OLDER_RUNS_COLUMNS, ids=len)
+def test_every_older_runs_csv_is_migrated_keeping_every_row_and_a_copy_of_the_file(tmp_path, old_columns):
+    text = runs.csv_text(old_columns, [dict.fromkeys(old_columns, str(n)) for n in range(3)]) + "\n"  # a blank line
+    (tmp_path / "runs.csv").write_text(text)
+    with pytest.warns(UserWarning, match=r"\(empty in the 3 earlier rows\); the file as it was is kept as "
+                                         r"runs\.csv\.\d{8}T\d{6}\.bak$"):
+        runs.prepare_runs_csv(tmp_path)
+    rows = read(tmp_path / "runs.csv")
+    assert [[row[column] for column in old_columns] for row in rows] == [[str(n)] * len(old_columns) for n in range(3)]
+    assert {row[runs.RUNS_COLUMNS[-1]] for row in rows} == {""}
+    (backup,) = tmp_path.glob("runs.csv.*.bak")
+    assert backup.read_bytes() == text.encode()
 
 
 def test_a_line_cut_short_is_skipped_with_a_warning_and_the_row_still_lands(small_cnn, tmp_path, train):
@@ -219,6 +276,35 @@ def test_a_line_cut_short_is_skipped_with_a_warning_and_the_row_still_lands(smal
         train(small_cnn(), tmp_path, epochs=1)
     lines = list(csv.reader((tmp_path / "runs.csv").read_text().splitlines()))
     assert len(lines) == 3 and len(lines[2]) == columns
+
+
+@pytest.mark.parametrize("room_checked", [True, False], ids=["room checked first", "h5py failing midway"])
+def test_a_disk_that_fills_while_the_weights_are_written_leaves_the_earlier_run_and_logs_this_one_failed(
+        small_cnn, tmp_path, train, monkeypatch, room_checked):
+    if not room_checked:  # as when another process fills the disk after the check
+        monkeypatch.setattr(atomic, "check_room", lambda folder, size: None)
+    with tmpfs(tmp_path / "disk", "1m") as results:
+        train(small_cnn(), results, epochs=1, save_weights=True)
+        (first,) = read(results / "runs.csv")
+        weights = results / CSV_NAME.format("single_1dev").replace(".csv", ".weights.h5")
+        assert weights.samefile(results / first["epoch_csv"].replace(".csv", ".weights.h5"))  # a link: no space
+        before = weights.read_bytes()
+        fill(results, leave=64 * 1024)  # room for the epoch CSVs and the log, not for the weights
+        with pytest.raises(callbacks.RunNotRecorded) as raised:
+            train(small_cnn(seed=1), results, epochs=1, save_weights=True)
+        assert str(raised.value) == (
+            f"the run trained, but its results could not be written into {results}: No space left on device; "
+            f"runs.csv and the weights still hold the runs before it, and results.log says this run failed. "
+            f"Received: OSError errno=28")
+        assert read(results / "runs.csv") == [first] and weights.read_bytes() == before
+        second = [line for line in (results / "results.log").read_text().splitlines()
+                  if first["run_id"] not in line]
+        assert [line.split()[1] for line in second] == ["start", "machine", "epoch", "failed"]
+        assert second[-1].split(" ", 1)[1] == (
+            f"failed model=small_cnn strategy=single: RunNotRecorded: the run trained, but its results could not be "
+            f"written into {results}: No space left on device; runs.csv and the weights still hold the runs before "
+            f"it [run {second[0].rsplit(' ', 1)[1]}")
+        assert [path.name for path in results.rglob("*") if ".partial" in path.name] == []
 
 
 def test_speedup_is_measured_only_against_a_single_run_of_the_same_data_precision_and_machine(

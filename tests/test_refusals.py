@@ -2,6 +2,7 @@
 
 import os
 import stat
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -43,20 +44,79 @@ def test_resume_of_another_configuration_names_the_checkpoint_found_and_the_diff
         f"holds one of another configuration: devices 2 (checkpoint) vs 3 (this run). Resume with that "
         f"checkpoint's settings, or run without resume to start over (that checkpoint is kept). Received: resume=True")
     assert (found / "run.json").exists()  # kept
-    fresh = checkpoints.RunCheckpoint(model, tmp_path / "elsewhere" / "run", resume=True)  # nothing anywhere
+
+
+def test_a_resume_with_nothing_to_resume_says_so_in_one_warning_and_starts_anew(tmp_path):
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    folder = tmp_path / "checkpoints" / "small_cnn_keras_tensorflow_async-ps_2dev"
+    with pytest.warns(UserWarning) as warned:
+        fresh = checkpoints.RunCheckpoint(model, folder, resume=True)  # nothing here, nothing beside it
+    assert [str(warning.message) for warning in warned] == [
+        f"resume=True, but {folder} holds no checkpoint, nor does any folder beside it: there is nothing to resume, "
+        f"and the run starts at its first epoch. Received: resume=True"]
     assert fresh.restore() == 0
 
 
+@pytest.mark.parametrize("strategy, count, smallest", [
+    (cnnpar.Single(), 0, 1), (cnnpar.DataParallel(2), 1, 2), (cnnpar.Single(accumulate=2), 1, 2)], ids=repr)
+def test_training_data_that_gives_an_epoch_no_step_is_refused_before_training(few_digits, tmp_path, strategy, count,
+                                                                               smallest):
+    x, y = few_digits
+    with pytest.raises(ValueError) as raised:
+        cnnpar.fit(build_small_cnn(), x[:count], y[:count], batch_size=64, strategy=strategy, results_dir=tmp_path)
+    assert str(raised.value) == (
+        f"{count} training example(s) give an epoch no step: {strategy!r} needs at least {smallest} per batch, one "
+        f"for each of its pieces (replicas or micro-batches, times accumulate), and leaves a smaller batch out. Give "
+        f"at least {smallest} training examples. Received: {count} training examples")
+    assert list(tmp_path.iterdir()) == []  # no run recorded
+
+
+def test_train_on_a_one_row_csv_under_mirrored_is_refused_in_one_line(small_csv, tmp_path):
+    one_row = tmp_path / "one.csv"
+    one_row.write_text("\n".join(small_csv.read_text().splitlines()[:2]) + "\n")
+    result = run("train", "--strategy", "mirrored", "--devices", 2, "--data", one_row, "--results", tmp_path / "r")
+    one_line_refusal(result)
+    assert [line for line in result.output.splitlines() if not line.startswith("training on ")] == [
+        "Error: 1 training example(s) give an epoch no step: <DataParallel devices=2 scale_lr=None> needs at least 2 "
+        "per batch, one for each of its pieces (replicas or micro-batches, times accumulate), and leaves a smaller "
+        "batch out. Give at least 2 training examples. Received: 1 training examples"]
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("option", ["--results", "--export"])
-def test_a_folder_that_cannot_be_written_is_refused_before_training(small_csv, tmp_path, option):
+@pytest.mark.parametrize("place", ["under a file", "in /proc"])
+def test_a_folder_that_cannot_be_written_is_refused_before_training(small_csv, tmp_path, option, place):
+    """A file where a folder must be, or /proc, where even root creates nothing (``os.access`` says yes)."""
     (tmp_path / "a-file").write_text("not a folder\n")
-    target = tmp_path / "a-file" / "inside"
+    blocker, reason = (tmp_path / "a-file", "Not a directory") if place == "under a file" else \
+        (Path("/proc"), "No such file or directory")
+    target = blocker / "inside"
     results = target if option == "--results" else tmp_path / "results"
     result = run("train", "--data", small_csv, "--epochs", 1, "--results", results,
                  *(["--export", target] if option == "--export" else []))
-    assert f"cannot write into {target}: {tmp_path / 'a-file'} is not a folder; nothing was trained. Received: " \
-           f"{option} {target}" in one_line_refusal(result)
+    assert f"cannot write into {target}: {blocker}: {reason}; nothing was done. Received: {option} {target}" \
+        in one_line_refusal(result)
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("command, option", [
+    (["data", "kaggle"], "--out"),
+    (["export", "--weights", "w.weights.h5"], "--out"),
+    (["predict", "--model-dir", "models/digits/1", "--test", "test.csv"], "--out"),
+    (["report"], "--results"),
+    (["train", "--strategy", "async-ps"], "--checkpoint-dir"),
+])
+def test_every_command_probes_its_output_folder_before_any_work(command, option, tmp_path, monkeypatch):
+    """/proc, where nothing can be created (root's ``os.access`` says it can): one line, exit 2, before the
+    weights are read, the predictions computed or anything trained."""
+    monkeypatch.chdir(tmp_path)
+    target = "/proc/cnnpar/out.csv" if command[0] == "predict" else "/proc/cnnpar"
+    folder = os.path.dirname(target) if command[0] == "predict" else target
+    result = run(*command, option, target)
+    assert f"cannot write into {folder}: /proc: No such file or directory; nothing was done. Received: {option} " \
+           f"{target}" in one_line_refusal(result)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_results_log_that_is_a_symbolic_link_is_refused_and_its_target_untouched(small_csv, tmp_path):

@@ -134,6 +134,14 @@ def test_train_refuses_an_existing_export_version_before_training(exported, tmp_
     assert not (tmp_path / "results").exists()
 
 
+def test_export_refuses_an_existing_version_in_one_line_before_reading_the_weights(exported, tmp_path):
+    base, _ = exported
+    result = run("export", "--weights", tmp_path / "absent.weights.h5", "--out", base, "--version", 1)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{base / '1'} already exists; pass --force to replace it, or choose another version. Received: " \
+           f"--version 1" in " ".join(result.output.split())
+
+
 def test_predict_on_bad_input_exits_2_and_writes_nothing(exported, tmp_path):
     _, target = exported
     bad = tmp_path / "test.csv"

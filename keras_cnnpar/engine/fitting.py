@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import strategies
+from keras_cnnpar.engine.text_logs import TextLogs
 from keras_cnnpar.engine.user_callbacks import UserModelCallbacks, chief_writes
 from keras_cnnpar.keras_compat import graph
 from keras_cnnpar.results import callbacks as callback_lib
@@ -32,7 +33,7 @@ from keras_cnnpar.zoo import data as data_lib
 
 def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batch_size=None, epochs=1,
         validation_data=None, validation_split=0.0, shuffle=True, callbacks=None, initial_epoch=0, resume=False,
-        precision="float32", fused_optimizer=True, note=None, **fit_kwargs):
+        precision="float32", fused_optimizer=True, note=None, save_weights=False, **fit_kwargs):
     """``cnnpar.fit`` with a strategy object or alias (not ``"auto"``); ``note`` is a line for the run's log
     ahead of the strategy's report. See :func:`keras_cnnpar.api.fit`."""
     check_model(model)
@@ -79,10 +80,12 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
                 global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
                 precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
                 tensorflow=tf.__version__, machine=provenance.machine())
-            logging = callback_lib.run_callbacks(info, results_dir, report=report)
+            logging = callback_lib.run_callbacks(info, results_dir, report=report, events=strategy.epoch_events,
+                                                 save_weights=save_weights)
         users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
+        text = TextLogs()  # last: the words of the logs reach the callbacks, not Keras's progress bar
         try:
-            history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging],
+            history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging, text],
                               initial_epoch=initial_epoch, **fit_kwargs)
         except BaseException as error:
             if logging:
@@ -91,7 +94,10 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
                 with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
                     recorder.on_failure(error)
             raise
+        text.into(history)
         run.finalize(model)
+        if logging and save_weights:  # the weights, then the run's row: they agree, or the run is logged as failed
+            logging[1].finish(model)
         for user in users:  # on_train_end, with the trained state in the user's model
             user.train_ended({name: values[-1] for name, values in history.history.items() if values})
         history.set_model(model)
@@ -240,6 +246,7 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         raise ValueError(f"{strategy!r} cuts every batch into {pieces} pieces (replicas or micro-batches), so a batch "
                          f"needs at least {pieces} examples (TensorFlow fails on an empty piece). "
                          f"Received: batch_size={batch_size}")
+    _refuse_no_step(_examples(("x", x)), strategy)
     train, steps, samples = _epoch_dataset((x, y, weights), batch_size * strategy.accumulate,
                                            strategy.steps_per_execution, shuffle=bool(shuffle),
                                            seed=strategy.shuffle_seed, smallest_batch=strategy.smallest_batch)
@@ -250,6 +257,18 @@ def _inputs(x, y, batch_size, validation_data, validation_split, shuffle, strate
         validation, steps["validation_steps"], _ = _epoch_dataset(parts[:3], validation_batch_size or batch_size,
                                                                   strategy.steps_per_execution)
     return train, validation, {k: v for k, v in steps.items() if v is not None}, samples
+
+
+def _refuse_no_step(count, strategy):
+    """A ``ValueError`` for ``count`` training examples that give an epoch no step under ``strategy``: none, or fewer
+    than the pieces it cuts a batch into (a last batch that small is left out, see :func:`_short_tail`). Keras
+    would train on nothing and the run be recorded without a figure."""
+    smallest = max(strategy.smallest_batch, 1)
+    if count < smallest:
+        raise ValueError(f"{count} training example(s) give an epoch no step: {strategy!r} needs at least "
+                         f"{smallest} per batch, one for each of its pieces (replicas or micro-batches, times "
+                         f"accumulate), and leaves a smaller batch out. Give at least {smallest} training examples. "
+                         f"Received: {count} training examples")
 
 
 def _repeated(dataset, steps_per_execution):

@@ -16,20 +16,29 @@ Example:
 """
 
 import csv
+import functools
 import io
+import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import keras
+import numpy as np
 
 from keras_cnnpar.results import runs
-from keras_cnnpar.runtime import hardware
-from keras_cnnpar.runtime.atomic import created_mode, write_atomic
 from keras_cnnpar.results.runs import RunInfo
+from keras_cnnpar.runtime import atomic, hardware
+from keras_cnnpar.runtime.atomic import created_mode, write_atomic
 
-__all__ = ["EpochLogger", "RunInfo", "RunRecorder", "run_callbacks"]
+__all__ = ["EpochLogger", "RunInfo", "RunNotRecorded", "RunRecorder", "run_callbacks"]
+
+
+class RunNotRecorded(RuntimeError):
+    """A run trained, but its end could not be written (a full disk): it is logged as failed, and ``runs.csv`` and
+    the weights still describe the runs before it."""
 
 
 class EpochLogger(keras.callbacks.Callback):
@@ -168,11 +177,18 @@ class RunRecorder(keras.callbacks.Callback):
         results_dir: folder of ``runs.csv`` and ``results.log``.
         epochs: the run's :class:`EpochLogger`.
         report: the strategy's layout report, logged after the start line.
+        events: None, or a function of an epoch's row returning the lines of what happened in it (the
+            strategy's ``epoch_events``: a worker lost, ...), logged as ``event`` lines.
+        save_weights: the run's end also writes the trained weights (``info.weights_files``); the end is then
+            recorded by :meth:`finish`, which ``cnnpar.fit`` calls with the user's model once the trained weights
+            are in it, rather than by ``on_train_end``.
     """
 
-    def __init__(self, info, results_dir, epochs, report=None):
+    def __init__(self, info, results_dir, epochs, report=None, events=None, save_weights=False):
         super().__init__()
         self.info, self.results_dir, self.epochs, self.report = info, Path(results_dir), epochs, report
+        self.events = events or (lambda row: [])
+        self.save_weights = save_weights
         #: The run's row of ``runs.csv``, once training ended.
         self.row = None
 
@@ -189,15 +205,54 @@ class RunRecorder(keras.callbacks.Callback):
         row = self.epochs.rows[-1]
         metrics = " ".join(f"{k}={row[k]:.4f}" for k in ("loss", "accuracy", "val_loss", "val_accuracy") if k in row)
         self._log(f"epoch {epoch + 1}/{self.info.epochs} {metrics} images_per_second={row['images_per_second']}")
-        if row.get("lost_workers"):
-            self._log(f"event epoch {epoch + 1}: {int(row['lost_workers'])} worker(s) lost; "
-                      f"their steps ran again on the others")
+        for event in self.events(row):
+            self._log(f"event epoch {epoch + 1}: {event}")
 
     def on_train_end(self, logs=None):
-        if self.epochs.rows:
+        if not self.save_weights:
+            self.finish()
+
+    def finish(self, model=None):
+        """Record the run's end: ``model``'s weights first (with ``save_weights``), then its ``runs.csv`` row and
+        its end line, so the three agree.
+
+        The weights are written to temporary files, which take their places
+        only once the row is recorded. A failure to write (``OSError``: a full
+        disk) leaves the files of the runs before as they were, logs the run as
+        failed and raises :class:`RunNotRecorded`.
+        """
+        if not self.epochs.rows:
+            return
+        staged = []
+        try:
+            if self.save_weights:
+                staged = _staged_weights(model, self.results_dir, self.info.weights_files)
             self.row = runs.append_run(self.results_dir, self.info, self.epochs.rows)
+            for temporary, path in staged:
+                os.replace(temporary, path)
+        except OSError as error:
+            for temporary, _ in staged:
+                atomic.discard(temporary)
+            raise self._not_recorded(error) from error
+        row = self.row or {}  # None: runs.csv became unusable during the run (a warning said so)
+        try:
             self._log(f"end model={self.info.model} strategy={self.info.strategy} "
-                      f"images_per_second={self.row['images_per_second']} speedup={self.row['speedup']}")
+                      f"images_per_second={row.get('images_per_second', '')} speedup={row.get('speedup', '')}")
+        except OSError as error:
+            raise RunNotRecorded(f"the run's row and weights are in {self.results_dir}, but results.log could not "
+                                 f"take its end line: {_reason(error)}. Received: {type(error).__name__} "
+                                 f"errno={error.errno}") from error
+
+    def _not_recorded(self, error):
+        """The :class:`RunNotRecorded` of a failure to write the run's end, once the run is logged as failed."""
+        message = (f"the run trained, but its results could not be written into {self.results_dir}: "
+                   f"{_reason(error)}; runs.csv and the weights still hold the runs before it")
+        try:
+            self.on_failure(RunNotRecorded(message))
+            message += ", and results.log says this run failed"
+        except (OSError, ValueError):
+            message += " (results.log could not be written either)"
+        return RunNotRecorded(f"{message}. Received: {type(error).__name__} errno={error.errno}")
 
     def on_failure(self, error):
         """Log why training stopped (``cnnpar.fit`` calls this when training raises)."""
@@ -208,7 +263,7 @@ class RunRecorder(keras.callbacks.Callback):
         runs.append_line(self.results_dir / runs.RESULTS_LOG, f"{runs.now()} {message}{run}")
 
 
-def run_callbacks(info, results_dir, report=None):
+def run_callbacks(info, results_dir, report=None, events=None, save_weights=False):
     """The logging callbacks of one run, in their order: ``[EpochLogger, RunRecorder]``.
 
     ``runs.csv`` is made ready first (an older one migrated, one that cannot be
@@ -216,7 +271,48 @@ def run_callbacks(info, results_dir, report=None):
     """
     runs.prepare_runs_csv(results_dir)
     epochs = EpochLogger(info, results_dir)
-    return [epochs, RunRecorder(info, results_dir, epochs, report)]
+    return [epochs, RunRecorder(info, results_dir, epochs, report, events, save_weights)]
+
+
+def _reason(error):
+    """What an ``OSError`` says, in one line: the system's words for its ``errno`` (h5py's own text spans lines)."""
+    return os.strerror(error.errno) if error.errno else " ".join(str(error).split())
+
+
+def _staged_weights(model, results_dir, names):
+    """``[(temporary, path)]``: ``model``'s weights staged (:func:`atomic.stage`) beside each of ``names``, relative
+    to ``results_dir``: written by Keras for the first, the others hard links to it (copies where the file system
+    has none), so the configuration's file costs no space; nothing is left behind when one fails."""
+    staged = []
+    try:
+        for name in names:
+            path = results_dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not staged:
+                atomic.check_room(path.parent, _weights_bytes(model))
+            write = functools.partial(_link_or_copy, staged[0][0]) if staged else model.save_weights
+            staged.append((atomic.stage(path, write=write), path))
+    except BaseException:
+        for temporary, _ in staged:
+            atomic.discard(temporary)
+        raise
+    return staged
+
+
+def _weights_bytes(model):
+    """About the size of ``model``'s ``.weights.h5`` (a little more): its variables and its optimizer's, and HDF5's
+    bookkeeping of each (1-3 KiB measured) and of the file."""
+    variables = [*model.weights, *getattr(model.optimizer, "variables", [])]
+    return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize + 4096 for v in variables) + 65536
+
+
+def _link_or_copy(source, target):
+    """Make ``target`` (an empty temporary file) another name of ``source``, or a copy of it without hard links."""
+    os.unlink(target)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _kept_epochs(path, initial_epoch):

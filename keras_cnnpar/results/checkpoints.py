@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import tensorflow as tf
@@ -117,10 +118,14 @@ class RunCheckpoint:
 
     def _refuse_another_configuration(self):
         """A resume whose configuration has no checkpoint, beside the checkpoint of another one (its folder's
-        name holds the model and the device count): refused, naming that checkpoint and the differences."""
+        name holds the model and the device count): refused, naming that checkpoint and the differences. With no
+        checkpoint anywhere, a ``UserWarning`` says that there is nothing to resume, and the run starts anew."""
         others = sorted(self.directory.parent.glob(f"*/{self.CONFIG}")) if self.directory.parent.is_dir() else []
         if not others:
-            return  # nothing to resume anywhere: the run starts at its first epoch
+            warnings.warn(f"resume=True, but {self.directory} holds no checkpoint, nor does any folder beside it: "
+                          f"there is nothing to resume, and the run starts at its first epoch. Received: resume=True",
+                          stacklevel=3)
+            return
         recorded = json.loads(others[0].read_text(encoding="utf-8"))
         differences = self._differences(recorded) or ["its folder's name"]
         raise ValueError(f"resume=True, but {self.directory} holds no checkpoint; {others[0].parent} holds one of "

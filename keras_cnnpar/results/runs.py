@@ -68,6 +68,10 @@ RUNS_COLUMNS = [
     "precision", "data", "run_id", "version", "tensorflow", "machine",
     *SPLIT_COLUMNS,
 ]
+#: The headers of ``runs.csv`` that older versions wrote, which a migration maps onto ``RUNS_COLUMNS``: the
+#: first version's, and the one before the time split's columns.
+OLDER_RUNS_COLUMNS = (RUNS_COLUMNS[:RUNS_COLUMNS.index("precision")],
+                      RUNS_COLUMNS[:RUNS_COLUMNS.index(SPLIT_COLUMNS[0])])
 BASELINE = "single"
 #: What a run and its Single baseline must share for a speedup to mean anything.
 BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")
@@ -103,6 +107,11 @@ class RunInfo:
     def view_csv(self):
         """The configuration's epoch CSV, a copy of its latest run's (the original project's name)."""
         return run_file_name(self.model, self.strategy, self.devices)
+
+    @property
+    def weights_files(self):
+        """Where this run's trained weights go (``cnnpar train``): its own file, then the configuration's."""
+        return weights_files({"epoch_csv": self.epoch_csv})
 
     def own_file(self, suffix):
         """This run's own file with ``suffix`` (``runs/<run id>/<configuration><suffix>``; without an id, the
@@ -283,24 +292,24 @@ def speedup_and_efficiency(strategy, devices, throughput, baseline):
 def prepare_runs_csv(results_dir):
     """Make ``runs.csv`` of ``results_dir`` ready for a row, before a run trains; raise ``ValueError`` if it cannot be.
 
-    A file written with an older set of columns (every one of them still in
-    ``RUNS_COLUMNS``) is migrated in place, atomically: the current header,
-    the old rows with the new columns empty; a ``UserWarning`` names the
-    added columns. A file with columns this version does not know is
-    refused, with the file, the header expected and received, and what to do; so
-    is a ``runs.csv`` or ``results.log`` that is a symbolic link.
+    A file written by an older version (a header of :data:`OLDER_RUNS_COLUMNS`)
+    is migrated in place, atomically, after a copy of it is kept beside it
+    (``runs.csv.<time>.bak``): the current header, every old row with the new
+    columns empty; a ``UserWarning`` names the added columns and the copy. Any
+    other header, or an old row the migration could not map, is refused
+    (:func:`check_runs_csv`) and the file left as it was.
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
-    >>> _ = (folder / RUNS_CSV).write_text("timestamp,model\\n2026,m\\n")
+    >>> _ = (folder / RUNS_CSV).write_text(csv_text(OLDER_RUNS_COLUMNS[0], [{"model": "m"}]))
     >>> import warnings; warnings.simplefilter("ignore")
     >>> prepare_runs_csv(folder)
-    >>> [row["model"] for row in read_csv(folder / RUNS_CSV)], read_csv(folder / RUNS_CSV)[0]["strategy"]
+    >>> [row["model"] for row in read_csv(folder / RUNS_CSV)], read_csv(folder / RUNS_CSV)[0]["machine"]
     (['m'], '')
+    >>> [path.name.endswith(".bak") for path in sorted(folder.iterdir())]
+    [False, True]
     """
-    for name in (RUNS_CSV, RESULTS_LOG):
-        if (Path(results_dir) / name).is_symlink():
-            _open_in_place(Path(results_dir) / name)  # refuses it, naming the link and its target
+    check_runs_csv(results_dir)
     path = Path(results_dir) / RUNS_CSV
     if not path.exists():
         return
@@ -308,31 +317,98 @@ def prepare_runs_csv(results_dir):
         text = file.read()
         migrated = _migrated(path, text)
         if migrated != text:
-            write_atomic(path, migrated)
+            _replace_migrated(path, text, migrated)
+
+
+def check_runs_csv(results_dir):
+    """Raise ``ValueError`` unless a run could record its row in ``runs.csv`` of ``results_dir`` without losing one:
+    a header that is neither this version's nor an older version's (:data:`OLDER_RUNS_COLUMNS`), naming the
+    columns missing and unexpected; an older file's row of another number of values; a ``runs.csv`` or
+    ``results.log`` that is a symbolic link. It only reads (the CLI calls it before anything else is done).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> header = ",".join(RUNS_COLUMNS).replace("machine", "host")
+    >>> _ = (folder / RUNS_CSV).write_text(header + "\\n")
+    >>> check_runs_csv(folder)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: .../runs.csv, line 1: ...; against this version's, it lacks machine and has host besides. Received: ...
+    """
+    for name in (RUNS_CSV, RESULTS_LOG):
+        if (Path(results_dir) / name).is_symlink():
+            _open_in_place(Path(results_dir) / name)  # refuses it, naming the link and its target
+    path = Path(results_dir) / RUNS_CSV
+    if path.exists():
+        with open(path, newline="", encoding="utf-8") as file:
+            _old_rows(path, file.read())
 
 
 def _migrated(path, text):
-    """``text`` of ``runs.csv`` under the current header (a ``UserWarning`` when it had older columns)."""
+    """``text`` of ``runs.csv`` under the current header: as it is, or an older version's rows with the new columns
+    empty; a ``ValueError`` when the migration could not keep every row (see :func:`_old_rows`)."""
+    old_rows = _old_rows(path, text)
+    return text if old_rows is None else csv_text(RUNS_COLUMNS, old_rows)
+
+
+def _old_rows(path, text):
+    """The rows of ``text`` of ``runs.csv`` as dicts when it has an older version's header; None when it has the
+    current one (or is empty). A ``ValueError`` for any other header, or a row of another number of values than
+    its header (it could not be mapped: a migration never drops a row)."""
     lines = text.splitlines(keepends=True)
     header = next(csv.reader(lines[:1]), None)
     if header is None or header == RUNS_COLUMNS:
-        return text
-    if not set(header) <= set(RUNS_COLUMNS) or len(set(header)) != len(header):
-        raise ValueError(f"{path}, line 1: expected the header {','.join(RUNS_COLUMNS)} (or an older one with some "
-                         f"of these columns). Received: {','.join(header)[:80]!r}; move the file aside or fix it, "
-                         f"then run again (a missing runs.csv is started anew)")
+        return None
+    if header not in OLDER_RUNS_COLUMNS:
+        raise ValueError(_unknown_header(path, header))
     rows = []
     for number, values in enumerate(csv.reader(lines[1:]), start=2):
+        if not values:
+            continue  # a blank line holds no run
         if len(values) != len(header):
-            warnings.warn(f"{path}, line {number}: expected {len(header)} comma-separated values. Received: "
-                          f"{len(values)} values; the line is dropped in the migration", stacklevel=4)
-            continue
+            raise ValueError(f"{path}, line {number}: expected {len(header)} comma-separated values, as under its "
+                             f"header (an older version's), to migrate it to this version's columns. Received: "
+                             f"{len(values)} values; fix or remove that line, then run again (nothing was changed)")
         rows.append(dict(zip(header, values)))
-    migrated = csv_text(RUNS_COLUMNS, rows)
+    return rows
+
+
+def _unknown_header(path, header):
+    """The refusal of a ``runs.csv`` ``header`` that no version wrote: the columns it lacks and has besides, against
+    the nearest header a version wrote."""
+    nearest = min([RUNS_COLUMNS, *OLDER_RUNS_COLUMNS], key=lambda known: len(set(known) ^ set(header)))
+    missing = [column for column in nearest if column not in header]
+    unexpected = [column for column in dict.fromkeys(header) if column not in nearest]
+    repeated = sorted({column for column in header if header.count(column) > 1})
+    difference = (f"it lacks {','.join(missing) or 'no column'} and has {','.join(unexpected) or 'no column'} besides"
+                  + (f", and repeats {','.join(repeated)}" if repeated else "")
+                  if missing or unexpected or repeated else "its columns are in another order")
+    version = "this version's" if nearest is RUNS_COLUMNS else "an older version's"
+    received = ",".join(header)
+    received = received if len(received) <= 100 else received[:100] + "..."
+    return (f"{path}, line 1: expected the header of this version's runs.csv or an older version's, whose rows a "
+            f"migration keeps; against {version}, {difference}. Received: header={received!r}; restore the header "
+            f"or move the file aside, then run again (a missing runs.csv is started anew)")
+
+
+def _replace_migrated(path, text, migrated, new_rows=""):
+    """Replace ``runs.csv`` at ``path`` (``text``, an older version's) with ``migrated`` and ``new_rows`` (CSV lines)
+    once a copy of ``text`` is kept beside it; a ``UserWarning`` names the added columns and the copy. Call it
+    holding the file's lock."""
+    backup = _backup_name(path)
+    write_atomic(backup, text)
+    write_atomic(path, migrated + new_rows)
+    header = next(csv.reader(text.splitlines()[:1]))
     added = [column for column in RUNS_COLUMNS if column not in header]
-    warnings.warn(f"{path}: migrated to this version's columns; added {','.join(added)} (empty in the "
-                  f"{len(rows)} earlier rows)", stacklevel=4)
-    return migrated
+    earlier = len(list(csv.reader(io.StringIO(migrated)))) - 1
+    warnings.warn(f"{path}: migrated to this version's columns; added {','.join(added)} (empty in the {earlier} "
+                  f"earlier rows); the file as it was is kept as {backup.name}", stacklevel=4)
+
+
+def _backup_name(path):
+    """A free name for a copy of ``path`` beside it: ``<name>.<time>.bak``, then ``<name>.<time>-2.bak`` and on."""
+    stem = f"{path.name}.{datetime.now():%Y%m%dT%H%M%S}"
+    names = (f"{stem}.bak", *(f"{stem}-{count}.bak" for count in range(2, 1000)))
+    return next(path.with_name(name) for name in names if not path.with_name(name).exists())
 
 
 def append_run(results_dir, info, epochs):
@@ -367,7 +443,7 @@ def append_run(results_dir, info, epochs):
         row["speedup"], row["efficiency"] = speedup_and_efficiency(
             info.strategy, info.devices, throughput, single_throughput(_recorded_rows(path, migrated), row))
         if migrated != text:  # the migrated file and the row replace the old file at once
-            write_atomic(path, migrated + csv_text(RUNS_COLUMNS, [row]).split("\n", 1)[1])
+            _replace_migrated(path, text, migrated, csv_text(RUNS_COLUMNS, [row]).split("\n", 1)[1])
             return row
         file.write("" if not text or text.endswith("\n") else "\n")  # after a line cut short
         writer = csv.DictWriter(file, RUNS_COLUMNS)

@@ -11,9 +11,40 @@ reads an export as it would read any file of the user's.
 ('hello', ['a.txt'])
 """
 
+import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
+
+
+def probe_folder(folder):
+    """Check that this process can create files in ``folder`` by creating one (and removing it): in ``folder``, or
+    where it does not exist yet, in its nearest existing parent. Raises ``NotADirectoryError`` where that is a
+    file, else the ``OSError`` that creating a file there raised, naming that folder (``os.access`` says yes to
+    root on a read-only mount or in ``/proc``, where nothing can be created).
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> probe_folder(folder / "new" / "deeper"), sorted(folder.iterdir())
+    (None, [])
+    >>> try:
+    ...     probe_folder("/proc/x")
+    ... except OSError as error:
+    ...     print(type(error).__name__, error.filename)
+    FileNotFoundError /proc
+    """
+    existing = Path(os.path.abspath(folder))
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    try:
+        descriptor, probe = tempfile.mkstemp(prefix=".cnnpar-probe.", dir=existing)
+    except OSError as error:
+        raise type(error)(error.errno, os.strerror(error.errno), str(existing)) from None
+    os.close(descriptor)
+    os.unlink(probe)
 
 
 def write_atomic(path, content, write=None):
@@ -22,6 +53,26 @@ def write_atomic(path, content, write=None):
     ``content`` is text or bytes; or give ``write(temporary_path)`` to let
     another library write the temporary file (its name keeps ``path``'s
     suffixes). A failed write leaves the old file as it was.
+    """
+    temporary = stage(path, content, write)
+    try:
+        os.replace(temporary, path)
+    except BaseException:
+        discard(temporary)
+        raise
+
+
+def stage(path, content=None, write=None):
+    """The first half of :func:`write_atomic`: ``path``'s new content (``content``, or what ``write(temporary_path)``
+    writes) in a temporary file beside it, fsynced; return that file's path. ``os.replace(temporary, path)`` puts it
+    in place, :func:`discard` drops it; several files staged first, then replaced, change all at once or not at all.
+    A failed write leaves nothing behind.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> temporary = stage(folder / "a.txt", "new")
+    >>> sorted(p.name for p in folder.iterdir()) == [Path(temporary).name], os.replace(temporary, folder / "a.txt")
+    (True, None)
     """
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".partial" + "".join(path.suffixes),
@@ -36,10 +87,34 @@ def write_atomic(path, content, write=None):
         with open(temporary, "rb+") as file:
             os.fchmod(file.fileno(), created_mode())  # a library may have written a new file in its place
             os.fsync(file.fileno())
-        os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        discard(temporary)
         raise
+    return temporary
+
+
+def discard(temporary):
+    """Remove a temporary file (:func:`stage`), emptied first: a library that still holds it open after a failed write
+    (h5py, which writes again when its file object is collected) then finds room on a full disk rather than failing
+    again, and the space is free at once. A file that another name still holds (a hard link) is only unlinked."""
+    with contextlib.suppress(OSError):
+        if os.stat(temporary).st_nlink == 1:
+            os.truncate(temporary, 0)
+    Path(temporary).unlink(missing_ok=True)
+
+
+def check_room(folder, size):
+    """Raise ``OSError`` (``ENOSPC``) unless the disk of ``folder`` has ``size`` bytes free for this process: a
+    library that fails midway on a full disk (h5py, which then complains as it is collected) is better not started.
+
+    >>> check_room(".", 2**62)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    OSError: [Errno 28] No space left on device: ... bytes free, 4611686018427387904 needed: '.'
+    """
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    if free < size:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {free} bytes free, {size} needed", str(folder))
 
 
 def umask():
