@@ -58,6 +58,8 @@ class ClusterEnvironment:
     """
 
     name = "the cluster environment"
+    #: The variables that, all set, say this kind describes the process's cluster (:meth:`detect`).
+    detected_by = ()
     #: Whether a scheduler started one process per task (``srun``, a Job's pods): ``cnnpar launch`` then runs its
     #: command once, in this process, instead of starting local workers.
     creates_processes_externally = False
@@ -67,8 +69,10 @@ class ClusterEnvironment:
 
     @classmethod
     def detect(cls, environ=None):
-        """Whether the variables of ``environ`` (default ``os.environ``) describe a cluster of this kind."""
-        raise NotImplementedError
+        """Whether the variables of ``environ`` (default ``os.environ``) describe a cluster of this kind: all of
+        :attr:`detected_by` are set."""
+        environ = _environ(environ)
+        return bool(cls.detected_by) and all(environ.get(name) for name in cls.detected_by)
 
     def tf_config(self):
         """The cluster and this process's task in it: ``{"cluster": {job: [address, ...]}, "task": {"type",
@@ -108,10 +112,7 @@ class TFConfig(ClusterEnvironment):
     """
 
     name = "TF_CONFIG"
-
-    @classmethod
-    def detect(cls, environ=None):
-        return bool(_environ(environ).get("TF_CONFIG"))
+    detected_by = ("TF_CONFIG",)
 
     def tf_config(self):
         return read_tf_config(self.environ)
@@ -144,12 +145,8 @@ class Slurm(ClusterEnvironment):
     """
 
     name = "the Slurm job step"
+    detected_by = ("SLURM_PROCID", "SLURM_STEP_NODELIST")
     creates_processes_externally = True
-
-    @classmethod
-    def detect(cls, environ=None):
-        environ = _environ(environ)
-        return all(environ.get(name) for name in ("SLURM_PROCID", "SLURM_STEP_NODELIST"))
 
     def tf_config(self):
         nodes = self._nodes()
@@ -332,12 +329,8 @@ class KubernetesIndexedJob(ClusterEnvironment):
     """
 
     name = "the Kubernetes Indexed Job"
+    detected_by = ("JOB_COMPLETION_INDEX", K8S_WORKERS)
     creates_processes_externally = True
-
-    @classmethod
-    def detect(cls, environ=None):
-        environ = _environ(environ)
-        return all(environ.get(name) for name in ("JOB_COMPLETION_INDEX", K8S_WORKERS))
 
     def tf_config(self):
         workers, index = _int(self.environ, K8S_WORKERS, low=1), _int(self.environ, "JOB_COMPLETION_INDEX", low=0)
