@@ -4,6 +4,7 @@ TensorFlow is imported inside the commands, so ``--help`` is instant and the
 logical devices can be created before TensorFlow starts its runtime.
 """
 
+import ast
 import os
 import sys
 import time
@@ -116,6 +117,9 @@ def main():
 @click.option("--accumulate", type=click.IntRange(min=1), default=None,
               help="For single, mirrored and multi-worker: micro-batches of --batch-size per step, their mean "
                    "gradient applied (and synced) once.")
+@click.option("--option", "strategy_options", multiple=True, metavar="NAME=VALUE",
+              help="Any other option of the strategy's constructor (its __init__ parameters), as NAME=VALUE: a "
+                   "Python literal, else text; repeatable. E.g. --strategy async-ps --option warmup_steps=0.")
 @click.option("--checks", is_flag=True,
               help="Run the parity protocol's checks: first-step gradient parity with single, input sharding, "
                    "and where the last epoch's time goes (compute, communication, input, idle, from a profiler "
@@ -147,8 +151,9 @@ def main():
 @click.option("--version", "export_version", type=click.IntRange(min=1), default=None,
               help="Version folder for --export; default: the next free one, from 1.")
 def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, cluster_spec, coordinator, resume,
-          checkpoint_dir, timeout, accumulate, checks, epochs, batch_size, source, data_dir, validation_fraction,
-          scale_lr, results_dir, no_log, seed, precision, fused_optimizer, verbose, export_dir, export_version):
+          checkpoint_dir, timeout, accumulate, strategy_options, checks, epochs, batch_size, source, data_dir,
+          validation_fraction, scale_lr, results_dir, no_log, seed, precision, fused_optimizer, verbose, export_dir,
+          export_version):
     """Train a CNN with one strategy and write the run's CSVs, log and weights.
 
     The weights go to RESULTS/<run>.weights.h5 for `cnnpar export`. Bad data
@@ -181,14 +186,17 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
         checkpoint_dir = os.path.join(results_dir, runs.CHECKPOINTS)
     if strategy_name == "auto":
+        if strategy_options:
+            raise click.BadParameter(f"auto chooses its strategies' options itself. Received: --option "
+                                     f"{strategy_options[0]}", param_hint="--option")
         strategy, local_devices = "auto", _auto_devices(devices, checks)
     else:
+        options = _strategy_options(strategy_name, strategy_options, {
+            "devices": devices, "data": mesh and mesh[0], "model": mesh and mesh[1], "microbatches": microbatches,
+            "workers": workers, "ps": ps, "cluster": cluster_spec, "coordinator": coordinator, "resume": resume,
+            "checkpoint_dir": checkpoint_dir, "timeout": timeout, "scale_lr": scale_lr, "accumulate": accumulate})
         try:
-            strategy = strategies.create(strategy_name, devices=devices, data=mesh and mesh[0],
-                                         model=mesh and mesh[1], microbatches=microbatches, workers=workers, ps=ps,
-                                         cluster=cluster_spec, coordinator=coordinator, resume=resume,
-                                         checkpoint_dir=checkpoint_dir, timeout=timeout, scale_lr=scale_lr,
-                                         accumulate=accumulate)
+            strategy = strategies.create(strategy_name, **options)
         except (TypeError, ValueError) as error:
             raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
         except ConnectionError as error:
@@ -348,6 +356,30 @@ def _check_writable(folder, option, value=None):
         where = error.filename or folder
         raise click.BadParameter(f"cannot write into {folder}: {where}: {os.strerror(error.errno)}; nothing was "
                                  f"done. Received: {option} {value or folder}", param_hint=option) from None
+
+
+def _strategy_options(alias, pairs, given):
+    """The constructor options of strategy ``alias``: ``given`` (the dedicated flags' values, None where unset)
+    with each ``NAME=VALUE`` of ``pairs`` (``--option``) added, its value a Python literal, else text. A usage
+    error names a pair that is not NAME=VALUE of an option the strategy takes, or one a flag set already.
+
+    >>> _strategy_options("async-ps", ["warmup_steps=0", "ema_momentum=None"], {"workers": 2})
+    {'workers': 2, 'warmup_steps': 0, 'ema_momentum': None}
+    """
+    options, accepted = dict(given), registry.entry(alias).options
+    for pair in pairs:
+        name, equals, text = pair.partition("=")
+        if not equals or name not in accepted:
+            raise click.BadParameter(f"expected NAME=VALUE, NAME one of {alias}'s options ({', '.join(accepted)}). "
+                                     f"Received: --option {pair}", param_hint="--option")
+        if options.get(name) is not None:
+            raise click.BadParameter(f"{name} is set by its own flag already; give it once. Received: --option "
+                                     f"{pair}", param_hint="--option")
+        try:
+            options[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[name] = text
+    return options
 
 
 def _refuse_existing_version(base_dir, version, remedy):

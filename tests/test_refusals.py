@@ -119,6 +119,20 @@ def test_every_command_probes_its_output_folder_before_any_work(command, option,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("pair, expected", [
+    ("nope=1", "expected NAME=VALUE, NAME one of single's options (steps_per_execution, accumulate). "
+               "Received: --option nope=1"),
+    ("steps_per_execution", "expected NAME=VALUE, NAME one of single's options (steps_per_execution, accumulate). "
+                            "Received: --option steps_per_execution"),
+    ("steps_per_execution=0", "steps_per_execution must be a positive int. Received: steps_per_execution=0"),
+    ("accumulate='two'", "accumulate must be a positive int. Received: accumulate='two'"),
+])
+def test_an_option_of_the_strategys_constructor_reaches_it_and_a_bad_one_is_refused(pair, expected, tmp_path):
+    result = run("train", "--strategy", "single", "--option", pair, "--results", tmp_path / "r")
+    assert expected in one_line_refusal(result)
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_results_log_that_is_a_symbolic_link_is_refused_and_its_target_untouched(small_csv, tmp_path):
     target, results = tmp_path / "elsewhere.txt", tmp_path / "results"
     target.write_text("someone else's file\n")
