@@ -20,7 +20,7 @@ import pytest
 import keras_cnnpar as cnnpar
 from keras_cnnpar.cluster import network
 from keras_cnnpar.strategies.async_ps import remote as async_remote
-from keras_cnnpar.strategies.async_ps import strategy as async_ps
+from keras_cnnpar.strategies.async_ps import run as async_run
 from tests.helpers import build_small_cnn, descendants
 
 pytestmark = pytest.mark.slow  # parameter-server clusters in processes of their own
@@ -271,7 +271,7 @@ def test_the_workers_metric_update_adds_keras_metrics_and_leaves_others_keras_up
         models.append(model)
     for y, y_pred in batches:
         models[0].compute_metrics(None, y, y_pred)
-        async_ps._add_metrics(models[1], None, y, y_pred)
+        async_run._add_metrics(models[1], None, y, y_pred)
     keras_update, workers_update = (model.get_metrics_result() for model in models)
     assert set(workers_update) == {"accuracy", "max_seen", "top_3", "loss"}
     for name, value in keras_update.items():

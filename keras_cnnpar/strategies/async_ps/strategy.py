@@ -1,22 +1,18 @@
-"""Asynchronous parameter-server training: ``ParameterServerStrategy`` + ``ClusterCoordinator``."""
+"""``AsyncPS``: asynchronous parameter-server training on ``ParameterServerStrategy`` + ``ClusterCoordinator``, as a
+configuration; its run is :mod:`.run`, its cluster :mod:`.connection`."""
 
-import contextlib
 import dataclasses
-import math
 import sys
 
-import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar.cluster import network
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
-from keras_cnnpar.keras_compat import precise_bn, rebuild
-from keras_cnnpar.strategies import arguments, base, loop
+from keras_cnnpar.strategies import arguments, base
+from keras_cnnpar.strategies.async_ps import connection, run
 from keras_cnnpar.strategies.async_ps import remote as async_remote
-from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
-from keras_cnnpar.zoo import data
+from keras_cnnpar.strategies.base import CheckpointedStrategy, register
 
 
 @register("async-ps")
@@ -48,10 +44,10 @@ class AsyncPS(CheckpointedStrategy):
     Async-SGD", who divide by the staleness; that was not enough for momentum
     SGD, which collapsed to chance in some seeds), and by ``1 + staleness``
     for optimizers that divide their steps by the gradients' running size
-    (Adam and kin, :func:`staleness_power`), where the square starved 4
+    (Adam and kin, :func:`.run.staleness_power`), where the square starved 4
     workers of progress. What validation measures, each epoch's weights and the
     trained model are the weights' moving average over the updates since the
-    warm-up (``ema_momentum=0.95``, :class:`WeightAverage`; the workers train
+    warm-up (``ema_momentum=0.95``, :class:`.run.WeightAverage`; the workers train
     on the weights themselves): with 4 workers the last update's weights
     carry the noise of the late steps (up to 3.4 points of validation
     accuracy behind Single's after 3 epochs, 0.9-1.9 with the average in
@@ -122,7 +118,7 @@ class AsyncPS(CheckpointedStrategy):
             host's address on the interface that routes to the cluster.
         scale_lr: ``None`` (default: keep the rate), ``"sqrt"`` or ``"linear"``.
         staleness_aware: divide each step's gradient by ``(1 + staleness) ** p``,
-            ``p`` by the optimizer (:func:`staleness_power`; default True); False
+            ``p`` by the optimizer (:func:`.run.staleness_power`; default True); False
             applies every gradient whole.
         warmup_steps: updates at the start of a run scheduled one group of
             ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
@@ -170,7 +166,7 @@ class AsyncPS(CheckpointedStrategy):
             cluster_lib.check_coordinator(coordinator)
         self.coordinator_address = coordinator
         if self.spec is not None:
-            network.wait_reachable(_servers(self.spec), self.timeout)
+            network.wait_reachable(connection.servers(self.spec), self.timeout)
 
     def options(self):
         """The options the coordinator process creates this strategy with: every constructor argument as given
@@ -216,8 +212,8 @@ class AsyncPS(CheckpointedStrategy):
         return f"<AsyncPS workers={self.workers} ps={self.ps} cluster={where} scale_lr={self.scale_lr}>"
 
     def _tf_strategy(self):
-        connection = this_process.current("async-ps")
-        return connection.tf_strategy if connection else None
+        joined = this_process.current("async-ps")
+        return joined.tf_strategy if joined else None
 
     def describe(self):
         """The report's first words: the cluster."""
@@ -233,30 +229,30 @@ class AsyncPS(CheckpointedStrategy):
         process runs in a network namespace of its own, so its servers need no
         warning.
         """
-        cluster = self.spec or _local_cluster(self.workers, self.ps)
-        network.wait_reachable(_servers(cluster), self.timeout)
+        cluster = self.spec or connection.local_cluster(self.workers, self.ps)
+        network.wait_reachable(connection.servers(cluster), self.timeout)
         chief = cluster_lib.coordinator_address(cluster, self.coordinator_address)
         if not private_network:  # the servers this process started listen on every interface, and so does it
             started = [] if self.spec else [address for addresses in cluster.values() for address in addresses]
             what = "local cluster and its coordinator" if self.spec is None else "coordinator of this run"
             ports = [address.rpartition(":")[2] for address in [*started, chief]]
             print(network.exposure_warning(what, ports), file=sys.stderr, flush=True)
-        this_process.join("async-ps", {**cluster, "chief": [chief]}, lambda: _connect(cluster, chief))
+        this_process.join("async-ps", {**cluster, "chief": [chief]}, lambda: connection.connect(cluster, chief))
 
     def prepare(self, model, settings=None):
         """In the user's process: the run that drives a coordinator process. In the coordinator process (after
         :meth:`join`): the run that trains, with the prepared model's variables on the parameter servers."""
         settings = settings or base.RunSettings()
-        prepared, connection = self.prepared_copy(model, settings), this_process.current("async-ps")
-        if connection is None:
+        prepared, joined = self.prepared_copy(model, settings), this_process.current("async-ps")
+        if joined is None:
             return async_remote.CoordinatorProcessRun(self, settings, prepared)
-        read_kernels_before_xla(prepared)
+        run.read_kernels_before_xla(prepared)
         self.build_optimizer(prepared)
         checkpoint = None
         if self.checkpoint_dir is not None:
             checkpoint = self.run_checkpoint(prepared, settings)
             checkpoint.restore()
-        return AsyncRun(self, connection, settings, prepared, checkpoint)
+        return run.AsyncRun(self, joined, settings, prepared, checkpoint)
 
     def replica_batches(self, dataset):
         raise NotImplementedError("each scheduled group of steps reads its own batches of the epoch")
@@ -264,481 +260,4 @@ class AsyncPS(CheckpointedStrategy):
     def probe(self):
         raise NotImplementedError("a one-step probe would need a coordinator process and a cluster of its own")
 
-
-class _Connection:
-    """This process's place in a cluster as its coordinator: the spec, the ``ParameterServerStrategy`` and
-    the ``ClusterCoordinator``. Made once per cluster and process (``this_process.join("async-ps", ...)``); the
-    latest is ``this_process.current("async-ps")``."""
-
-    def __init__(self, cluster, tf_strategy, coordinator):
-        self.cluster, self.tf_strategy, self.coordinator = cluster, tf_strategy, coordinator
-
-
-#: How long a failed step waits for a parameter server to be seen gone before the error counts as its own. A
-#: killed server's port may answer a moment after its connections broke: the likeliest reading of one CI run
-#: where tests/test_hosts.py's lost server came back as a bare UnavailableError.
-PS_LOSS_SECONDS = 5
-
-
-class AsyncRun(base.Run):
-    """An ``AsyncPS`` training in the coordinator process: the prepared model (its variables on the parameter
-    servers), the per-epoch checkpoint and the precise-BN statistics."""
-
-    def __init__(self, strategy, connection, settings, model, checkpoint):
-        super().__init__(strategy, settings, model, checkpoint)
-        self.connection = connection
-        self.precise = precise_bn.PreciseBatchNorm(model) if strategy.precise_bn else None
-        if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
-            self.precise = None
-        self.held = _bytes_per_task(model.weights)
-
-    def report(self):
-        strategy = self.strategy
-        lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
-                 + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
-                 + (f"; each gradient divided by {_divisor_text(self.model.optimizer)}"
-                    if strategy.staleness_aware else "")
-                 + (f"; validated and returned: the weights' moving average (ema_momentum={strategy.ema_momentum})"
-                    if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
-                 + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
-                    if self.precise else ""),
-                 *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
-                   for task, (count, size) in sorted(self.held.items())),
-                 self.resumed_line()]
-        return "\n".join(line for line in lines if line)
-
-    def fit(self, epoch_batches, *, epochs=1, steps_per_epoch, validation_data=None, validation_steps=None,
-            validation_freq=1, callbacks=None, initial_epoch=0, verbose=1):
-        """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
-        finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
-        strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
-        async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution)
-        evaluator = _evaluator(prepared) if validation_data is not None else None
-
-        def train_epoch(epoch, callback_list):
-            batches = epoch_batches(epoch)
-            rebuild.build_compiled_state(prepared, batches.element_spec, strategy.scope())
-            callback_list.on_train_batch_begin(0)
-            logs = async_loop.run_epoch(steps, batches)
-            if self.precise:  # on the coordinator, from this epoch's first batches
-                logs["precise_bn_batches"] = float(self.precise.update(prepared, batches.take(strategy.precise_bn)))
-            callback_list.on_train_batch_end(steps - 1, logs)
-            return logs
-
-        def validate(_):  # the callbacks run in the user's process: no batch hooks from here
-            rebuild.set_weights(evaluator, prepared.get_weights())
-            return evaluator.evaluate(validation_data, steps=validation_steps, verbose=0, return_dict=True)
-
-        return loop.run_epochs(
-            prepared, train_epoch, epochs=epochs, steps=steps, callbacks=callbacks, verbose=verbose,
-            initial_epoch=initial_epoch, validate=validate if evaluator is not None else None,
-            validation_freq=validation_freq,
-            epoch_guard=self._parameter_servers_kept,
-            after_epoch=(lambda epoch: self.checkpoint.save(completed_epochs=epoch + 1))
-            if self.checkpoint else None)
-
-    @contextlib.contextmanager
-    def _parameter_servers_kept(self, epoch):
-        """Turn a lost parameter server (in training, validation or checkpointing) into a ``PeerLost``
-        that names it and says how to resume."""
-        try:
-            yield
-        except tf.errors.OpError as error:
-            cluster = self.connection.cluster
-            lost = network.unreachable_within({"ps": cluster["ps"]}, seconds=PS_LOSS_SECONDS)
-            if not lost:
-                raise
-            run = self.checkpoint
-            saved = (f"the checkpoint after epoch {run.completed_epochs} is in {run.directory}; restart "
-                     f"the servers and rerun with resume=True (cnnpar train --resume)"
-                     if run and run.completed_epochs else "no epoch was checkpointed yet")
-            raise PeerLost(f"lost {', '.join(lost)} of the cluster {cluster} in epoch {epoch + 1}: "
-                           f"its variables are gone; {saved}. ({type(error).__name__})") from error
-
-
-class _AsyncLoop:
-    """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness."""
-
-    def __init__(self, strategy, connection, model, steps_per_group):
-        self.tf_strategy, self.coordinator = connection.tf_strategy, connection.coordinator
-        self.workers = {"worker": connection.cluster["worker"]}
-        self.model, self.steps_per_group = model, steps_per_group
-        self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
-        with self.tf_strategy.scope():
-            self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
-            self.begun = tf.Variable(0, dtype=tf.int64, trainable=False, name="begun_updates")
-        self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
-        self._steps = self._traced_steps()  # traced at its first call
-
-    def run_epoch(self, steps, batches):
-        """Run ``steps`` steps on the workers, one for each batch of ``batches`` (one epoch's), in groups."""
-        self.model.reset_metrics()
-        self.average.swap_out()
-        self.begun.assign(self.applied.read_value())  # nothing in flight: drop the tickets of a lost worker's steps
-        epoch = _IndexedBatches(batches)
-        iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
-        applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
-        counted_before = int(iterations.numpy())
-        groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
-        results = []
-        while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
-            results.append(self._schedule(iterator, *groups.pop(0), decay=0.0))  # nothing to average yet
-            self.coordinator.join()
-        results += [self._schedule(iterator, *group, decay=self.average.momentum) for group in groups]
-        self.coordinator.join()
-        self.average.swap_in()
-        applied = int(self.applied.numpy()) - applied_before
-        # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
-        # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
-        iterations.assign(counted_before + applied)
-        loss, staleness, size = np.concatenate([r.fetch() for r in results]).T
-        logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
-        return {**logs, "loss": float(np.average(loss, weights=size)), "staleness_mean": float(staleness.mean()),
-                "staleness_max": float(staleness.max()), "steps_applied": float(applied),
-                "lost_workers": float(len(network.unreachable(self.workers)))}
-
-    def _schedule(self, iterator, first, size, decay):
-        """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker, each
-        moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result."""
-        return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
-                                                             tf.constant(size, tf.int32), tf.constant(decay)))
-
-    def _traced_steps(self):
-        """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
-        worker compiles one step's graph once (not a group-sized graph per size)."""
-        model, tf_strategy, average = self.model, self.tf_strategy, self.average
-        applied, begun = self.applied, self.begun
-        power = staleness_power(model.optimizer) if self.staleness_aware else 0
-
-        def one_step(batch, decay):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            seen = applied.read_value()  # updates that had landed: all are in the weights this step reads
-            with tf.control_dependencies([seen]), tf.GradientTape() as tape:
-                y_pred = model(x, training=True)
-                loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-                scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
-            variables = model.trainable_variables
-            gradients = tape.gradient(scaled_loss, variables)
-            with tf.control_dependencies(gradients):  # the others' updates begun before it, landed after it read
-                staleness = begun.assign_add(1) - 1 - seen
-            if power:
-                late = tf.cast(staleness + 1, gradients[0].dtype)
-                divisor = late if power == 1 else late * late
-                gradients = [g / divisor for g in gradients]
-            update = _ops_added_by(lambda: model.optimizer.apply_gradients(zip(gradients, variables)))
-            with tf.control_dependencies(update):
-                average.follow(decay)
-                applied.assign_add(1)  # only now: a step that reads the weights after this count finds the update
-            _add_metrics(model, x, y, y_pred, sample_weight)
-            examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
-            return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
-
-        @tf.function(autograph=False)  # as Keras's own steps (do_not_convert): no conversion of the model's calls
-        def steps(iterator, first, size, decay):
-            epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
-
-            def step(i, results):
-                batch = _IndexedBatches.batch(epoch, first + i)
-                return i + 1, results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch, decay)), tf.float32))
-
-            _, results = tf.while_loop(lambda i, _: i < size, step,
-                                       (tf.constant(0), tf.TensorArray(tf.float32, size=size)))
-            return results.stack()
-
-        return steps
-
-
-class WeightAverage:
-    """An exponential moving average of a model's trainable weights, kept beside them on the parameter servers,
-    which validation, the per-epoch weights and the trained model read instead of the last update's weights.
-
-    Each step moves the average by ``1 - decay`` towards the weights it left
-    (``follow``; ``decay`` 0 during the warm-up, whose updates are sequential,
-    so the average starts as the weights where asynchrony starts). Between
-    epochs the model's variables hold the average (``swap_in``) and the
-    averages the trained weights, which ``swap_out`` puts back before training
-    goes on, as Keras's ``SwapEMAWeights`` callback swaps an optimizer's own
-    averages. ``momentum=None``, or an optimizer with ``use_ema=True`` (whose
-    averages Keras writes into the weights at the end), keeps no average here.
-    """
-
-    def __init__(self, tf_strategy, model, momentum):
-        keeps = self.kept(momentum, model.optimizer)
-        self.momentum = momentum if keeps else 0.0
-        self.variables = [variable.value for variable in model.trainable_variables] if keeps else []
-        self.averages, self.swapped = [], False
-        with tf_strategy.scope():
-            for variable in self.variables:
-                with tf_strategy.extended.colocate_vars_with(variable):
-                    self.averages.append(tf.Variable(variable.read_value(), trainable=False,
-                                                     name=f"average_{variable.name.split(':')[0]}"))
-        self._swap = tf.function(self._swapped_values, autograph=False)
-
-    @staticmethod
-    def kept(momentum, optimizer):
-        """Whether a run with ``ema_momentum=momentum`` keeps an average of the weights under ``optimizer``.
-
-        >>> [WeightAverage.kept(0.95, keras.optimizers.SGD(use_ema=ema)) for ema in (False, True)]
-        [True, False]
-        """
-        return momentum is not None and not getattr(optimizer, "use_ema", False)
-
-    def follow(self, decay):
-        """In a step, after its update: move the average by ``1 - decay`` towards the weights, in one
-        ``assign_add`` (``tf.train.ExponentialMovingAverage``'s lockless form: two workers that add at once may
-        both read the same average, and neither waits)."""
-        for variable, average in zip(self.variables, self.averages):
-            with tf.device(average.device):  # on the parameter server, beside both: no weights cross the network
-                rate = tf.cast(1.0 - decay, average.dtype)
-                average.assign_add(rate * (variable.read_value() - average.read_value()))
-
-    def swap_in(self):
-        """Put the average in the model's variables (the trained weights wait in its place)."""
-        if self.averages and not self.swapped:
-            self._swap()
-            self.swapped = True
-
-    def swap_out(self):
-        """Put the trained weights back in the model's variables, the average in its place."""
-        if self.swapped:
-            self._swap()
-            self.swapped = False
-
-    def _swapped_values(self):
-        trained = [variable.read_value() for variable in self.variables]
-        for variable, average, value in zip(self.variables, self.averages, trained):
-            variable.assign(average.read_value())
-            average.assign(value)
-
-
-def _ops_added_by(function):
-    """Call ``function`` in a ``tf.function`` being traced; return the stateful ops it added (an optimizer's
-    update), so that what must follow them can wait for them.
-
-    Automatic control dependencies do not order them: Keras's optimizer
-    updates a variable through a capture of its own, and an op that reads the
-    variable afterwards may run before the update lands (a step's count of
-    finished updates ran ahead of its own update and of its ticket, with 8
-    workers).
-
-    >>> variable = tf.Variable(1.0)
-    >>> @tf.function
-    ... def added():
-    ...     return tf.constant([op.type for op in _ops_added_by(lambda: variable.assign_add(1.0, read_value=False))])
-    >>> added().numpy().tolist()
-    [b'AssignAddVariableOp']
-    """
-    graph = tf.compat.v1.get_default_graph()
-    before = len(graph.get_operations())
-    function()
-    return [op for op in graph.get_operations()[before:] if op.op_def.is_stateful]
-
-
-def _add_metrics(model, x, y, y_pred, sample_weight=None):
-    """Update ``model``'s metrics with one batch; Keras's own metrics by adding what the batch adds to each of
-    their variables in one atomic ``assign_add`` of TensorFlow's.
-
-    Keras's own update reads a metric variable and writes it back
-    (``Variable.assign_add`` is ``assign(self + value)``), so workers that
-    update at once lose each other's counts: a 4-worker epoch's training
-    accuracy read 0.0104 where its batches' was 0.0156. Keras's metrics only
-    add to their variables (means, sums, counts, confusion matrices), so
-    theirs come out as under ``Single``. A metric of another module may do
-    otherwise (keep a maximum, say): it keeps Keras's read and write-back.
-    """
-    additive = {id(variable) for metric in _leaf_metrics(model.metrics) if _keras_metric(metric)
-                for variable in metric.variables}
-    state = [variable for metric in model.metrics for variable in metric.variables]
-    start = [tf.zeros(v.shape, v.dtype) if id(v) in additive else v.value for v in state]
-    with keras.StatelessScope(state_mapping=list(zip(state, start))) as batch_only:
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        updated = [batch_only.get_current_value(variable) for variable in state]
-    for variable, value in zip(state, updated):
-        if id(variable) in additive:
-            variable.value.assign_add(value)
-        else:
-            variable.assign(value)
-
-
-def _leaf_metrics(metrics):
-    """The metrics in ``metrics``, with the ones Keras's ``CompileMetrics`` holds in its place."""
-    for metric in metrics:
-        inner = getattr(metric, "metrics", None)
-        yield from _leaf_metrics(inner) if inner else [metric]
-
-
-def _keras_metric(metric):
-    """Whether ``metric`` is one of Keras's own (``keras.metrics``, or a function it wraps in one).
-
-    >>> _keras_metric(keras.metrics.AUC()), _keras_metric(keras.metrics.MeanMetricWrapper(lambda y, p: y))
-    (True, True)
-    """
-    return type(metric).__module__.startswith("keras.")
-
-
-#: Optimizers that divide each step by a running measure of the gradients' size (Keras's names; those a Keras
-#: version lacks are left out).
-ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Ftrl",
-                       "Lion", "Lamb", "Muon")
-
-
-def staleness_power(optimizer):
-    """The power ``p`` of ``1 + staleness`` that divides a late gradient under ``optimizer``.
-
-    2 for SGD and any optimizer whose step follows the gradient's size: there
-    the division is the step's rate, and 1 + staleness was not enough to keep
-    momentum SGD from collapsing. 1 for the optimizers of
-    :data:`ADAPTIVE_OPTIMIZERS`, which divide by the gradients' running size:
-    a gradient divided by a varying square mixes scales of 1 to 1/25 into
-    that running size, and 4 workers of the 2+2 CNN (Adam) ended up to 4
-    points below Single (docs/async.md). A mixed-precision loss-scale
-    wrapper is looked through.
-
-    >>> staleness_power(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
-    2
-    >>> staleness_power(keras.optimizers.AdamW()), staleness_power(keras.optimizers.RMSprop())
-    (1, 1)
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    adaptive = tuple(getattr(keras.optimizers, name) for name in ADAPTIVE_OPTIMIZERS
-                     if hasattr(keras.optimizers, name))
-    return 1 if isinstance(inner, adaptive) else 2
-
-
-def read_kernels_before_xla(model):
-    """Make each convolution of ``model`` that Keras computes in an XLA function read its kernel before it.
-
-    On the TensorFlow backend Keras runs a grouped convolution (``groups > 1``)
-    and a ``channels_first`` 3-D one as a ``tf.function(jit_compile=True)``,
-    and XLA cannot read a variable held on another device: with the kernel on
-    a parameter server, every step failed ("Trying to access resource ...
-    located in device /job:ps/replica:0/task:0/device:CPU:0 from device
-    /job:worker/..."). Read on the worker first, the kernel reaches the
-    function as a tensor; the arithmetic is the same.
-
-    >>> model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(4, 3, groups=2),
-    ...                           keras.layers.Conv2D(2, 1)])
-    >>> read_kernels_before_xla(model)
-    >>> ["convolution_op" in vars(layer) for layer in model.layers]
-    [True, False]
-    """
-    for layer in model._flatten_layers():
-        if hasattr(layer, "convolution_op") and (getattr(layer, "groups", 1) > 1 or (  # Keras's BaseConv
-                getattr(layer, "rank", 2) == 3 and getattr(layer, "data_format", None) == "channels_first")):
-            layer.convolution_op = _reading_the_kernel_first(layer.convolution_op)
-
-
-def _reading_the_kernel_first(convolution_op):
-    def convolution_op_of_a_read_kernel(inputs, kernel):
-        # keras.ops.convert_to_tensor casts under mixed precision but passes a tf.Variable through: read it here.
-        return convolution_op(inputs, tf.identity(keras.ops.convert_to_tensor(kernel)))
-
-    return convolution_op_of_a_read_kernel
-
-
-def _divisor_text(optimizer):
-    """The run report's words for the divisor of a late gradient under ``optimizer``."""
-    return "(1 + its staleness)" + ("^2" if staleness_power(optimizer) == 2 else "")
-
-
-def _servers(spec):
-    """The jobs of ``spec`` whose servers must answer before a coordinator joins: all but its own ``chief``."""
-    return {job: tasks for job, tasks in spec.items() if job != "chief"}
-
-
-def _bytes_per_task(variables):
-    """``{task: (variable count, bytes)}`` of where ``variables`` live."""
-    held = {}
-    for variable in variables:
-        spec = tf.DeviceSpec.from_string(variable.value.device)
-        count, size = held.get(f"{spec.job}:{spec.task}", (0, 0))
-        held[f"{spec.job}:{spec.task}"] = (count + 1, size + variable.value.dtype.size * math.prod(variable.shape))
-    return held
-
-
-class _IndexedBatches:
-    """One epoch's batches in memory, addressable by their index: every part's examples concatenated, with each
-    batch's start and size.
-
-    A worker's dataset holds the epoch as one element of constants (its
-    graph carries them, so workers on other hosts, which cannot read this
-    host's files, have them too); a scheduled group reads that element once
-    and slices its batches out of it.
-
-    >>> batches = tf.data.Dataset.range(5).batch(2).map(lambda x: (x, -x))
-    >>> epoch = next(iter(_IndexedBatches(batches).dataset()))
-    >>> [[part.numpy().tolist() for part in _IndexedBatches.batch(epoch, i)] for i in range(3)]
-    [[[0, 1], [0, -1]], [[2, 3], [-2, -3]], [[4], [-4]]]
-    """
-
-    def __init__(self, batches):
-        batches = list(batches.as_numpy_iterator())
-        self.whole = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
-        self.sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in batches], np.int64)
-
-    def dataset(self):
-        """The epoch, repeated as one element: ``(whole, starts, sizes)``."""
-        starts = np.cumsum(self.sizes) - self.sizes
-        return data.untuned(tf.data.Dataset.from_tensors((self.whole, starts, self.sizes)).repeat())
-
-    @staticmethod
-    def batch(epoch, index):
-        """Batch ``index`` of ``epoch`` (an element of :meth:`dataset`), counted round the epoch."""
-        whole, starts, sizes = epoch
-        index = tf.cast(index, tf.int64) % tf.size(sizes, out_type=tf.int64)
-        start, size = starts[index], sizes[index]
-        return tf.nest.map_structure(lambda part: part[start:start + size], whole)
-
-
-def _evaluator(prepared):
-    """A local copy of ``prepared``, compiled alike, that evaluates the current weights on the coordinator."""
-    copy = keras.models.clone_model(prepared)
-    config = prepared.get_compile_config()
-    config["steps_per_execution"] = 1
-    copy.compile_from_config(config)
-    return copy
-
-
-def _local_cluster(workers, ps):
-    """The spec of ``workers`` + ``ps`` TensorFlow gRPC servers in this (the coordinator) process, started once
-    (``this_process`` keeps them serving)."""
-    spec, _ = this_process.join("async-ps servers", {"workers": workers, "ps": ps},
-                                lambda: _start_local_cluster(workers, ps))
-    return spec
-
-
-def _start_local_cluster(workers, ps, tries=3):
-    """Start ``workers`` + ``ps`` servers on free ports of this machine; return their spec and the servers.
-
-    The ports are chosen free, then bound by TensorFlow, which takes no socket
-    that is already bound; when another process took one in between, the
-    servers start again on fresh ports, ``tries`` times in all.
-    """
-    for attempt in range(1, tries + 1):
-        spec = cluster_lib.local_spec(workers, ps)
-        try:
-            return spec, _start_servers(spec, workers)
-        except (tf.errors.OpError, RuntimeError) as error:
-            if attempt == tries:
-                raise ConnectionError(f"cannot start the local cluster: {tries} tries on fresh ports failed; "
-                                      f"the last one: {error}") from None
-
-
-def _start_servers(spec, workers):
-    cluster_spec = tf.train.ClusterSpec(spec)
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=workers + 1)
-    return [
-        *(tf.distribute.Server(cluster_spec, job_name="worker", task_index=i, config=config, protocol="grpc")
-          for i in range(workers)),
-        *(tf.distribute.Server(cluster_spec, job_name="ps", task_index=i, protocol="grpc")
-          for i in range(len(spec.get("ps", ())))),
-    ]
-
-
-def _connect(cluster, chief):
-    """Connect this process to ``cluster`` as its coordinator, task ``chief:0`` at ``chief``."""
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({**cluster, "chief": [chief]}), task_type="chief", task_id=0, rpc_layer="grpc")
-    strategy = tf.distribute.ParameterServerStrategy(resolver)  # whole variables, round-robin over the ps tasks
-    return _Connection(cluster, strategy, tf.distribute.coordinator.ClusterCoordinator(strategy))
 

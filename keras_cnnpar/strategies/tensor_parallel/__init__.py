@@ -3,7 +3,10 @@
 - :mod:`.strategy`: ``ChannelSharded`` (channels over devices) and ``Hybrid`` (batch x channels), their run;
 - :mod:`.layers`: channel-sharded Conv2D and Dense, and the layers that pass layouts through (the only DTensor
   layer code);
-- :mod:`.model`: a Keras CNN rebuilt on a mesh, layer by layer.
+- :mod:`.model`: a Keras CNN rebuilt on a mesh, layer by layer: one entry of ``KINDS`` per layer kind, its
+  layout rule beside its converter;
+- :mod:`.optimizer`: the Keras optimizer's update on the mesh's DVariables;
+- :mod:`.memory`: the memory per device of a channel-sharded model.
 
 The package was ``keras_cnnpar.sharded`` (and before that ``keras_cnnpar.layers``); both old names still import,
 with a deprecation warning.
