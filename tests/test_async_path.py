@@ -78,7 +78,8 @@ class Watcher(threading.Thread):
                 with contextlib.suppress(OSError):  # a file removed while it was measured
                     self.largest = max(self.largest, data_bytes(folder))
                     self.most_epoch_folders = max(self.most_epoch_folders, len(list(folder.glob("train-*"))))
-            coordinators = [pid for pid in descendants(os.getpid()) if b"async_remote" in command_line(pid)]
+            module = async_remote.__name__.encode()
+            coordinators = [pid for pid in descendants(os.getpid()) if module in command_line(pid)]
             for pid in coordinators:
                 try:
                     own, here = listening_inodes(pid), listening_inodes(os.getpid())

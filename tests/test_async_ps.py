@@ -23,6 +23,7 @@ from keras_cnnpar import cli
 from keras_cnnpar.cluster import network, servers
 from keras_cnnpar.cluster import spec as cluster
 from keras_cnnpar.runtime import hardware
+from keras_cnnpar.strategies.async_ps import remote as coordinator_module
 from tests.helpers import (
     ENV,
     FLOORS,
@@ -285,8 +286,9 @@ def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
               "model.fit(x, y, batch_size=8, epochs=50, strategy='async-ps', results_dir=None, verbose=0)\n")
 
     def coordinators(pid):
+        module = coordinator_module.__name__.encode()
         return [child for child in descendants(pid)
-                if b"async_remote" in Path(f"/proc/{child}/cmdline").read_bytes()] if alive(pid) else []
+                if module in Path(f"/proc/{child}/cmdline").read_bytes()] if alive(pid) else []
 
     temporary = tmp_path / "tmp"
     temporary.mkdir()
