@@ -304,11 +304,20 @@ def _command_line(context):
     """The arguments that give ``context``'s command the same parameters again."""
     args = [context.info_name]
     for param in context.command.params:
-        value = context.params[param.name]
-        if value is None or value is False:
-            continue
-        args += [param.opts[0]] if value is True else [param.opts[0], str(value)]
+        args += _option_args(param, context.params[param.name])
     return args
+
+
+def _option_args(param, value):
+    """The arguments that give the click option ``param`` the value ``value`` (none for an unset one)."""
+    if value is None or value == ():
+        return []
+    if isinstance(value, bool):  # a flag: its own name, or its off switch (--no-fused-optimizer)
+        names = param.opts if value else param.secondary_opts
+        return names[:1]
+    if param.multiple:
+        return [arg for item in value for arg in (param.opts[0], str(item))]
+    return [param.opts[0], str(value)]
 
 
 def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history, seconds,

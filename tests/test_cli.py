@@ -250,3 +250,16 @@ def test_two_concurrent_runs_of_one_configuration_each_keep_their_own_files(kagg
         assert [line.split()[1] for line in log if line.endswith(f"[run {row['run_id']}]")] == \
             ["start", "machine", "epoch", "epoch", "end"]
     assert run("report", "--results", results).exit_code == 0
+
+
+def test_the_command_line_given_to_each_worker_gives_it_every_parameter_of_the_launchers():
+    """`cnnpar train --workers N` starts N workers with its own command line again: flags, off switches and
+    repeated options included."""
+    given = ["--strategy", "multi-worker", "--workers", "2", "--no-fused-optimizer", "--checks", "--option",
+             "timeout=5", "--option", "scale_lr='linear'", "--epochs", "1", "--results", "somewhere"]
+    context = cli.train.make_context("train", list(given))
+    again = cli._command_line(context)
+    assert again[0] == "train"
+    assert cli.train.make_context("train", again[1:]).params == context.params
+    assert context.params["fused_optimizer"] is False and context.params["strategy_options"] == (
+        "timeout=5", "scale_lr='linear'")
