@@ -25,20 +25,18 @@ import keras
 
 
 class TextLogs(keras.callbacks.Callback):
-    """Takes the text values out of each epoch's (and each training step's) logs, keeping an epoch's for the
-    ``History``.
+    """Takes the text values out of each epoch's logs, keeping them for the ``History``.
 
     It must be the last callback given to ``fit``: it removes what the
-    callbacks after it would see.
+    callbacks after it would see. It has no batch hook, so Keras still
+    dispatches the batch-level callbacks asynchronously (any override of
+    ``on_train_batch_end`` makes every step wait for its logs).
     """
 
     def __init__(self):
         super().__init__()
         #: The text values taken from each epoch's logs, in order.
         self.epochs = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        _take_text(logs)
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs.append(_take_text(logs))

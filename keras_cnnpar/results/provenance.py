@@ -12,12 +12,20 @@ import functools
 import subprocess
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent
+#: The ``keras_cnnpar`` package folder; its parent is the checkout's root when it runs from one.
+PACKAGE = Path(__file__).parents[1]
 
 
 @functools.cache
 def version():
-    """``"0.1.0"``, with ``+g<commit>`` when the package runs from a git checkout (``+dirty`` with changes)."""
+    """``"0.1.0"``, with ``+g<commit>`` when the package runs from a git checkout (``.dirty`` with changes).
+
+    >>> import re, shutil, keras_cnnpar
+    >>> root = Path(keras_cnnpar.__file__).parents[1]
+    >>> from_checkout = (root / ".git").exists() and shutil.which("git") is not None
+    >>> bool(re.fullmatch(r"\d+\.\d+\.\d+\+g[0-9a-f]+(\.dirty)?", version())) == from_checkout
+    True
+    """
     from keras_cnnpar import __version__
 
     if not (PACKAGE.parent / ".git").exists():
