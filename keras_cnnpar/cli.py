@@ -8,6 +8,7 @@ import ast
 import os
 import sys
 import time
+import warnings
 
 import click
 
@@ -56,7 +57,25 @@ def _quiet_tensorflow():
     startup.quiet_start()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class OneLineErrors(click.Group):
+    """A command group whose every refusal is one line, ``Error: ...``, with click's exit status (2 for bad
+    usage): click itself prints the usage block and a hint before a usage error's line."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        extra.pop("standalone_mode", None)
+        try:
+            status = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as error:
+            click.echo(f"Error: {error.format_message()}", err=True)
+            sys.exit(error.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        # Without standalone mode click returns a command's value, or the status of an early exit (--help: 0).
+        sys.exit(status if isinstance(status, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cnnpar")
 def main():
     """Train the digit-recognizer CNNs with parallel strategies on Keras 3 + TensorFlow.
@@ -208,8 +227,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     _check_runs_csv(None if no_log else results_dir)
     _check_writable(export_dir, "--export")
     _check_writable(checkpoint_dir if user_checkpoint_dir else None, "--checkpoint-dir")
-    _refuse_existing_version(export_dir, export_version,
-                             "choose another version or use `cnnpar export --force` after training")
+    _refuse_existing_version(export_dir, export_version)
     click.echo(device_lib.describe(device_lib.configure(local_devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
@@ -237,7 +255,8 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     if not strategy.is_chief:
         return
     if export_dir is not None:
-        _export(model, export_dir, export_version, force=False)
+        _export(model, export_dir, export_version, force=False, recorded=None if no_log else (
+            results_dir, os.path.join(results_dir, runs.weights_files(history.run_record)[-1])))
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
 
@@ -354,8 +373,8 @@ class Refused(click.ClickException):
 
 
 def _check_writable(folder, option, value=None):
-    """A usage error unless this process can create files in ``folder`` (or, where it does not exist yet, in
-    its nearest existing parent), found by creating one there (:func:`atomic.probe_folder`); None passes.
+    """Refuse (one line, exit 2) unless this process can create files in ``folder`` (or, where it does not exist
+    yet, in its nearest existing parent), found by creating one there (:func:`atomic.probe_folder`); None passes.
     ``value``: what the user gave ``option``, where that is a file in ``folder``."""
     if folder is None:
         return
@@ -363,8 +382,17 @@ def _check_writable(folder, option, value=None):
         atomic.probe_folder(folder)
     except OSError as error:
         where = error.filename or folder
-        raise click.BadParameter(f"cannot write into {folder}: {where}: {os.strerror(error.errno)}; nothing was "
-                                 f"done. Received: {option} {value or folder}", param_hint=option) from None
+        raise Refused(f"cannot write into {folder}: {where}: {os.strerror(error.errno)}; nothing was done. "
+                      f"Received: {option} {value or folder}") from None
+
+
+def _not_written(error, folder, option, left, value=None):
+    """The one-line failure (exit 1) of a write into ``folder`` that the disk stopped (full, say) once the work was
+    done; ``left``: what the all-or-nothing write left there; ``value``: what the user gave ``option``, where that
+    is a file in ``folder``."""
+    reason = os.strerror(error.errno) if error.errno else " ".join(str(error).split())
+    return click.ClickException(f"could not write into {folder}: {reason}; {left}. "
+                                f"Received: {option} {value or folder}")
 
 
 def _strategy_options(alias, pairs, given):
@@ -391,11 +419,16 @@ def _strategy_options(alias, pairs, given):
     return options
 
 
-def _refuse_existing_version(base_dir, version, remedy):
-    """A usage error (before any work) where the export version ``version`` of ``base_dir`` exists already."""
+def _refuse_existing_version(base_dir, version):
+    """Refuse (one line, exit 2, before any work) where the export version ``version`` of ``base_dir`` exists."""
     if base_dir is not None and version is not None and os.path.exists(os.path.join(base_dir, str(version))):
-        raise click.BadParameter(f"{os.path.join(base_dir, str(version))} already exists; {remedy}. "
-                                 f"Received: --version {version}", param_hint="--version")
+        raise Refused(_existing_version(base_dir, version))
+
+
+def _existing_version(base_dir, version):
+    """The refusal of an export ``version`` that exists, the same for `cnnpar export` and `cnnpar train --export`."""
+    return (f"{os.path.join(base_dir, str(version))} already exists; choose another --version, or replace it with "
+            f"`cnnpar export --version {version} --force`. Received: --version {version}")
 
 
 def _check_runs_csv(results_dir):
@@ -409,13 +442,18 @@ def _check_runs_csv(results_dir):
         raise Refused(str(error)) from None
 
 
-def _export(model, base_dir, version, force):
+def _export(model, base_dir, version, force, recorded=None):
+    """Export ``model`` (:func:`serving.export`); a failure in one line. ``recorded``: ``(results folder, weights
+    file)`` of the run that trained it (`cnnpar train --export`), which a failed export leaves as they are."""
     from keras_cnnpar import serving
 
     try:
         target = serving.export(model, base_dir, version, force=force)
-    except (FileExistsError, serving.ExportError) as error:
-        raise click.ClickException(str(error)) from None
+    except FileExistsError:  # created since the refusal before the work
+        raise Refused(_existing_version(base_dir, version)) from None
+    except serving.ExportError as error:
+        done = f"the run is recorded in {recorded[0]} (its weights: {recorded[1]}); " if recorded else ""
+        raise click.ClickException(done + str(error)) from None
     click.echo(f"exported {target} (signature serving_default: pixels [N, 784] -> probabilities, class; "
                f"verified in a fresh process)")
 
@@ -536,8 +574,11 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     click.echo(f"\nauto would choose: {best.configuration if best else 'single (no configuration passed parity)'}"
                + (" (cached plan; --fresh measures again)" if result.cached else ""))
     if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        planner.save(result, out_dir)
+        try:
+            with atomic.made_folder(out_dir):
+                planner.save(result, out_dir)
+        except OSError as error:
+            raise _not_written(error, out_dir, "--out", "neither plan.csv nor plan.png was written") from None
         click.echo(f"wrote plan.csv and plan.png in {out_dir}")
 
 
@@ -550,8 +591,12 @@ def report(results_dir):
 
     try:
         _, markdown = experiments.write_report(results_dir)
+    except runs.ResultsFileError as error:
+        raise Refused(str(error)) from None
     except ValueError as error:
         raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise _not_written(error, results_dir, "--results", "the summary files are as they were") from None
     click.echo(markdown)
     click.echo(f"\nwrote summary.csv, summary.md, accuracy.png, throughput.png, speedup.png, efficiency.png "
                f"in {results_dir}")
@@ -574,14 +619,14 @@ def export_command(weights, model_kind, base_dir, version, force):
     """
     _check_writable(base_dir, "--out")
     if not force:
-        _refuse_existing_version(base_dir, version, "pass --force to replace it, or choose another version")
+        _refuse_existing_version(base_dir, version)
     _quiet_tensorflow()
     from keras_cnnpar import serving
 
     try:
         model = serving.load_weights(weights, model_kind)
     except (FileNotFoundError, ValueError) as error:
-        raise click.BadParameter(str(error), param_hint="--weights") from None
+        raise Refused(str(error)) from None
     _export(model, base_dir, version, force)
 
 
@@ -610,6 +655,11 @@ def predict(model_dir, test_csv, out, force):
         rows = serving.predict_csv(model_dir, test_csv, out)
     except data_lib.DataError as error:
         raise click.BadParameter(str(error), param_hint="--test") from None
+    except serving.NotAnExport as error:
+        raise Refused(str(error)) from None
+    except OSError as error:
+        raise _not_written(error, os.path.dirname(os.path.abspath(out)), "--out", f"{out} was not written",
+                           out) from None
     click.echo(f"wrote {out} ({rows} predictions)")
 
 
@@ -758,13 +808,27 @@ def kaggle(out_dir, test_fraction, seed, force):
     from keras_cnnpar.zoo import data as data_lib
 
     _refuse_to_overwrite([os.path.join(out_dir, name) for name in ("train.csv", "test.csv")], force)
-    for path in data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed):
+    try:
+        paths = data_lib.write_kaggle(out_dir, test_fraction=test_fraction, seed=seed)
+    except OSError as error:
+        raise _not_written(error, out_dir, "--out", "neither train.csv nor test.csv was written") from None
+    for path in paths:
         click.echo(f"wrote {path}")
+
+
+def _one_line_warning(message, category, filename, lineno, line=None):
+    """A warning as the command's user reads it: ``Warning: message``, without the source line that raised it.
+
+    >>> _one_line_warning(UserWarning("no checkpoint in ckpt; starting anew"), UserWarning, "fitting.py", 1)
+    'Warning: no checkpoint in ckpt; starting anew\\n'
+    """
+    return f"Warning: {message}\n"
 
 
 def run():
     """The ``cnnpar`` command: :func:`main`, ended by ``startup.exit_now`` (its commands import TensorFlow with
-    ``startup.quiet_start``)."""
+    ``startup.quiet_start``); warnings print in one line each."""
+    warnings.formatwarning = _one_line_warning
     try:
         main()
     except SystemExit as done:  # click's way to end every command, with its exit status

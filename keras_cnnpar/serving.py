@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import keras
@@ -33,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar.results import runs
-from keras_cnnpar.runtime.atomic import created_mode, write_atomic
+from keras_cnnpar.runtime.atomic import created_mode, made_folder, write_atomic
 from keras_cnnpar.runtime.subprocesses import python_command
 from keras_cnnpar.zoo import data as data_lib
 from keras_cnnpar.zoo.names import MODEL_NAMES
@@ -65,6 +66,10 @@ class ExportError(RuntimeError):
     """An export that could not be written or did not verify; nothing was left in its place."""
 
 
+class NotAnExport(ValueError):
+    """A folder that does not hold a SavedModel as :func:`export` writes it (damaged, or of another signature)."""
+
+
 def export(model, base_dir, version=None, *, force=False, verify=True):
     """Write ``model`` to ``base_dir/version`` for TF Serving; return the version folder.
 
@@ -82,17 +87,17 @@ def export(model, base_dir, version=None, *, force=False, verify=True):
     if target.exists() and not force:
         raise FileExistsError(f"{target} already exists; pass force=True (--force) to replace it, or another "
                               f"version. Received: version={version}")
-    base_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=base_dir))
-    os.chmod(staging, created_mode(directory=True))  # readable as any folder of the user's, by TF Serving too
-    try:
-        pixels = sample_pixels()
-        _write(model, staging, pixels[:4])
-        if verify:
-            _verify(model, staging, pixels)
-        _move_into_place(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with made_folder(base_dir):  # a failed export leaves no folder it created
+        staging = Path(tempfile.mkdtemp(prefix=f".{version}.partial-", dir=base_dir))
+        try:
+            os.chmod(staging, created_mode(directory=True))  # readable as any folder of the user's, by TF Serving
+            pixels = sample_pixels()
+            _write(model, staging, pixels[:4], target)
+            if verify:
+                _verify(model, staging, pixels)
+            _move_into_place(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
@@ -125,13 +130,28 @@ def serving_function(model):
     return serve
 
 
-def _write(model, folder, warmup_pixels):
+def _write(model, folder, warmup_pixels, target):
+    """Write the export of ``model`` into ``folder``; an ``ExportError`` in one line, naming ``target``, where the
+    disk cannot take it (full, say: TensorFlow's ``ResourceExhaustedError``)."""
     archive = keras.export.ExportArchive()  # Keras's variable tracking: TF Serving's C++ loader restores them
     archive.track(model)
     serve = serving_function(model)
     archive.add_endpoint(SIGNATURE, serve, input_signature=serve.input_signature)
-    archive.write_out(str(folder), verbose=False)
-    _write_warmup(folder / WARMUP_FILE, warmup_pixels)
+    try:
+        archive.write_out(str(folder), verbose=False)
+        _write_warmup(folder / WARMUP_FILE, warmup_pixels)
+    except (OSError, tf.errors.OpError) as error:
+        raise ExportError(f"could not write the export {target}: {_reason(error)}; nothing was left in its place. "
+                          f"Received: {type(error).__name__}") from None
+
+
+def _reason(error):
+    """What a failed write says in one line: the system's words for an ``OSError``'s errno, the end of a TensorFlow
+    error's message (``"...; No space left on device [Op:SaveV2]"``)."""
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    message = " ".join(getattr(error, "message", str(error)).split())
+    return message.rpartition("; ")[2].partition(" [Op:")[0]
 
 
 def _write_warmup(path, pixels):
@@ -175,6 +195,31 @@ def load_in_fresh_process(export_dir, pixels):
             return {"probabilities": outputs["probabilities"], "class": outputs["classes"]}
 
 
+def load_signature(model_dir):
+    """The ``serving_default`` signature of the export ``model_dir``; :class:`NotAnExport`, in one line, where
+    TensorFlow cannot load it (a file cut short or damaged) or its signature is not the one :func:`export` writes."""
+    expected = f"{INPUT} float32 [N, {data_lib.PIXELS}] -> probabilities, class"
+    try:
+        signatures = tf.saved_model.load(str(model_dir)).signatures
+    except (OSError, LookupError, ValueError, tf.errors.OpError) as error:  # "Wire format was corrupt", ...
+        said = " ".join(str(error).split())
+        raise NotAnExport(f"{model_dir}: expected a SavedModel as `cnnpar export` writes it, which TensorFlow cannot "
+                          f"load from there. Received: {type(error).__name__}: {said}") from None
+    if SIGNATURE not in signatures:
+        raise NotAnExport(f"{model_dir}: expected a SavedModel with the signature {SIGNATURE} ({expected}). "
+                          f"Received: signatures {sorted(signatures) or 'none'}")
+    signature = signatures[SIGNATURE]
+    _, inputs = signature.structured_input_signature
+    outputs = signature.structured_outputs
+    spec = inputs.get(INPUT)
+    if (set(inputs) != {INPUT} or spec.dtype != tf.float32 or spec.shape.as_list() != [None, data_lib.PIXELS]
+            or not {"probabilities", "class"} <= set(outputs)):
+        taken = ", ".join(f"{name} {value.dtype.name} {value.shape.as_list()}" for name, value in inputs.items())
+        raise NotAnExport(f"{model_dir}: expected its {SIGNATURE} signature to take {expected}. Received: "
+                          f"{taken or 'no input'} -> {', '.join(outputs) or 'no output'}")
+    return signature
+
+
 def _move_into_place(staging, target):
     if not target.exists():
         os.replace(staging, target)
@@ -194,9 +239,12 @@ def save_weights(model, path):
 
 
 def load_weights(path, kind=None):
-    """Rebuild the CNN of ``kind`` (default: read from the run file's name) holding the weights in ``path``."""
-    from keras_cnnpar.zoo import models
+    """Rebuild the CNN of ``kind`` (default: read from the run file's name) holding the weights in ``path``.
 
+    A file Keras cannot take raises ``ValueError`` in one line: a name without the ``.weights.h5`` suffix (Keras
+    reads any other ``.h5`` as a Keras 2 file), a file that is not HDF5 or is cut short, the weights of another
+    model kind (the message names the kind they fit).
+    """
     path = Path(path)
     kind = kind or runs.kind_of(path.name)
     if kind is None:
@@ -204,10 +252,42 @@ def load_weights(path, kind=None):
                          f"({sorted(MODEL_NAMES)}). Received: model=None")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: file not found. Received: weights={path}")
+    if not path.name.endswith(".weights.h5"):
+        raise ValueError(f"{path}: expected a file named *.weights.h5, as `cnnpar train` writes them: Keras reads "
+                         f"the weights by that suffix (any other .h5 as a Keras 2 model); rename it. "
+                         f"Received: weights={path}")
+    try:
+        return _with_weights(kind, path)
+    except OSError as error:  # h5py's, in one line: "file signature not found", "truncated file: eof = ..."
+        raise ValueError(f"{path}: expected an HDF5 file of weights, as `cnnpar train` writes them, which h5py cannot "
+                         f"read. Received: {type(error).__name__}: {' '.join(str(error).split())}") from None
+    except ValueError:  # Keras's lists every layer that did not fit, with its arrays
+        fits = [other for other in MODEL_NAMES if other != kind and _fits(other, path)]
+        raise ValueError(f"{path}: these weights are not the {kind} model's (asked for: --model, or the file name); "
+                         + (f"they are the {fits[0]} model's: give --model {fits[0]}" if fits else
+                            f"they fit none of the models ({', '.join(MODEL_NAMES)})")
+                         + f". Received: model={kind}") from None
+
+
+def _with_weights(kind, path):
+    """The CNN of ``kind`` holding the weights in ``path`` (Keras's warnings of what did not fit left out)."""
+    from keras_cnnpar.zoo import models
+
     model = models.build(kind)
     model.optimizer.build(model.trainable_variables)  # the file holds the optimizer state too
-    model.load_weights(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.load_weights(path)
     return model
+
+
+def _fits(kind, path):
+    """Whether the weights in ``path`` are those of the CNN of ``kind``."""
+    try:
+        _with_weights(kind, path)
+    except ValueError:
+        return False
+    return True
 
 
 def predict_csv(model_dir, test_csv, out, *, batch_size=512):
@@ -218,7 +298,7 @@ def predict_csv(model_dir, test_csv, out, *, batch_size=512):
     number of rows.
     """
     pixels, _ = data_lib.read_kaggle_csv(test_csv, labeled=False)
-    signature = tf.saved_model.load(str(model_dir)).signatures[SIGNATURE]
+    signature = load_signature(model_dir)
     classes = np.concatenate([
         signature(**{INPUT: tf.constant(pixels[i:i + batch_size], tf.float32)})["class"].numpy()
         for i in range(0, len(pixels), batch_size)])

@@ -1,5 +1,6 @@
 """Runs that would lose or corrupt results are refused before they train, in one line; files follow the umask."""
 
+import contextlib
 import os
 import stat
 from pathlib import Path
@@ -10,16 +11,18 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import strategies
-from keras_cnnpar.results import checkpoints
-from tests.helpers import build_small_cnn
+from keras_cnnpar.results import checkpoints, runs
+from keras_cnnpar.zoo.names import MODEL_NAMES
+from tests.helpers import build_small_cnn, fill, read_only, read_rows, tmpfs, write_lines
 from tests.helpers import run_cli as run
 
 
 def one_line_refusal(result, exit_code=2):
-    """The error line of a CLI ``result`` that exited with ``exit_code``, without a traceback."""
+    """The one line a CLI ``result`` that exited with ``exit_code`` wrote on stderr: nothing else, no traceback."""
     assert result.exit_code == exit_code, result.output
-    assert "Traceback" not in result.output
-    return " ".join(result.output.split())
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    (line,) = result.stderr.splitlines()
+    return line
 
 
 def test_resume_on_a_strategy_that_keeps_no_checkpoint_is_refused_not_ignored(small_csv, tmp_path):
@@ -242,3 +245,283 @@ def test_kerass_ema_overwrite_frequency_under_tf_distribute_is_refused_saying_wh
         f"{type(strategy).__name__} cannot run Keras's ema_overwrite_frequency (it fails under tf.distribute's "
         "strategies: a merge_call inside a cond); leave it at None and let fit write the moving averages into the "
         "weights at its end, as Keras's fit does. Received: ema_overwrite_frequency=3")
+
+
+# What a careful operator breaks (issue 71): full disks, read-only mounts, and corrupt or foreign inputs.
+
+
+@pytest.fixture(scope="module")
+def weights_3_3(tmp_path_factory):
+    """A 3+3 model's ``.weights.h5`` (2 MB), named as `cnnpar train` names it; untrained weights load alike."""
+    model = cnnpar.models.build("3+3")
+    model.optimizer.build(model.trainable_variables)
+    path = tmp_path_factory.mktemp("weights") / runs.run_file_name(MODEL_NAMES["3+3"], "single", 1, ".weights.h5")
+    model.save_weights(path)
+    return path
+
+
+@pytest.mark.parametrize("command, option", [
+    (["data", "kaggle"], "--out"), (["report"], "--results"), (["export", "--weights", "w.weights.h5"], "--out"),
+    (["predict", "--model-dir", "models/digits/1", "--test", "test.csv"], "--out")])
+@pytest.mark.parametrize("place", ["under a file", "on a read-only mount"])
+def test_an_output_folder_under_a_file_or_on_a_read_only_mount_is_refused_in_one_line(command, option, place,
+                                                                                       tmp_path, monkeypatch):
+    """Found by the probe before any work (root's ``os.access`` says yes to a read-only mount)."""
+    monkeypatch.chdir(tmp_path)
+    with contextlib.ExitStack() as stack:
+        if place == "under a file":
+            (tmp_path / "a-file").write_text("not a folder\n")
+            blocker, reason = tmp_path / "a-file", "Not a directory"
+            folder = blocker / "out"
+        else:
+            blocker = folder = stack.enter_context(tmpfs(tmp_path / "disk", "1m")) / "out"
+            folder.mkdir()
+            (folder / "runs.csv").write_text(",".join(runs.RUNS_COLUMNS) + "\n")
+            read_only(folder.parent)
+            reason = "Read-only file system"
+        value = folder / "submission.csv" if command[0] == "predict" else folder
+        assert one_line_refusal(run(*command, option, value), 2) == (
+            f"Error: cannot write into {folder}: {blocker}: {reason}; nothing was done. Received: {option} {value}")
+
+
+def test_data_kaggle_into_a_full_disk_writes_neither_file_so_a_rerun_is_not_refused(tmp_path):
+    with tmpfs(tmp_path / "disk", "8m") as disk:  # train.csv (7.3 MB) fits, test.csv (1.8 MB) then does not
+        out = disk / "data"
+        for _ in range(2):  # the rerun meets the full disk again, not "train.csv exists; pass --force"
+            assert one_line_refusal(run("data", "kaggle", "--out", out), 1) == (
+                f"Error: could not write into {out}: No space left on device; neither train.csv nor test.csv was "
+                f"written. Received: --out {out}")
+            assert list(disk.iterdir()) == []  # nor the folder it created
+
+
+def write_runs(results, lines, runs_csv=None):
+    """A results folder of hand-written runs: ``runs.csv`` of ``lines`` (its header first; default: the
+    configurations of ``lines`` as this version writes them) and one epoch CSV per configuration."""
+    columns = runs.RUNS_COLUMNS
+    rows = [dict(zip(columns, [f"t{n}", "m", strategy, devices, "64", "1", "0.5", "0.8", "0.5", "0.8", "1",
+                               speed, "", "", runs.run_file_name("m", strategy, devices)]))
+            for n, (strategy, devices, speed) in enumerate(lines)]
+    for row in rows:
+        write_lines(results / row["epoch_csv"], ["epoch,val_accuracy", "1,0.8"])
+    text = runs_csv if runs_csv is not None else runs.csv_text(columns, rows)
+    (results / runs.RUNS_CSV).write_text(text)
+    return results / runs.RUNS_CSV
+
+
+SUMMARY_FILES = ["accuracy.png", "efficiency.png", "speedup.png", "summary.csv", "summary.md", "throughput.png"]
+
+
+def test_report_on_a_full_disk_exits_1_in_one_line_and_leaves_every_summary_file_as_it_was(tmp_path):
+    with tmpfs(tmp_path / "disk", "1m") as results:
+        write_runs(results, [("single", "1", "100")])
+        assert run("report", "--results", results).exit_code == 0
+        before = {name: (results / name).read_bytes() for name in SUMMARY_FILES}
+        write_runs(results, [("single", "1", "100"), ("mirrored", "2", "150")])
+        fill(results, leave=16 * 1024)  # room for summary.csv and summary.md, not for the plots
+        assert one_line_refusal(run("report", "--results", results), 1) == (
+            f"Error: could not write into {results}: No space left on device; the summary files are as they were. "
+            f"Received: --results {results}")
+        assert {name: (results / name).read_bytes() for name in SUMMARY_FILES} == before
+        assert [path.name for path in results.iterdir() if ".partial" in path.name] == []
+
+
+def without_epoch_csv(line):
+    """A line of ``runs.csv`` without its value of the column ``epoch_csv``, as a column removed by hand leaves it."""
+    values = line.split(",")
+    del values[runs.RUNS_COLUMNS.index("epoch_csv")]
+    return ",".join(values)
+
+
+def unknown_header(path, lacks):
+    return (f"Error: {path}, line 1: expected the header of this version's runs.csv or an older version's, whose "
+            f"rows a migration keeps; against this version's, it lacks {lacks} and has no column besides. ")
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda header, rows: (header.replace(",epoch_csv", ""), [without_epoch_csv(row) for row in rows]),
+     lambda path: unknown_header(path, "epoch_csv")),
+    (lambda header, rows: (header.replace(",machine", ""), rows),  # a name removed, the values untouched
+     lambda path: unknown_header(path, "machine")),
+    (lambda header, rows: (header, [rows[0], rows[1].replace(",150,", ",fast,")]),
+     lambda path: f"Error: {path}, line 3, column images_per_second: expected a number or nothing. Received: 'fast'"),
+], ids=["a column missing", "a name missing from the header", "text in a column of numbers"])
+def test_report_refuses_a_runs_csv_it_cannot_read_in_one_line_naming_the_file_line_and_column(tmp_path, edit,
+                                                                                               expected):
+    """Keras-free: KeyError: 'epoch_csv', columns shifted silently ("machine unknown"), "could not convert string
+    to float: 'fast'"."""
+    path = write_runs(tmp_path, [("single", "1", "100"), ("mirrored", "2", "150")])
+    header, *rows = path.read_text().splitlines()
+    header, rows = edit(header, rows)
+    write_lines(path, [header, *rows])
+    line = one_line_refusal(run("report", "--results", tmp_path), 2)
+    assert line.startswith(expected(path)), line
+    assert [name for name in SUMMARY_FILES if (tmp_path / name).exists()] == []
+
+
+def test_report_leaves_out_a_row_cut_short_with_a_warning_naming_its_line(tmp_path):
+    path = write_runs(tmp_path, [("single", "1", "100"), ("mirrored", "2", "150")])
+    text = path.read_text()
+    path.write_text(text[:text.rindex(",mirrored,2,") + 11])  # the last row cut short, as a full disk leaves it
+    with pytest.warns(UserWarning, match=rf"^{path}, line 3: expected {len(runs.RUNS_COLUMNS)} comma-separated "
+                                         rf"values. Received: 4 values; the line is ignored$"):
+        result = run("report", "--results", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert [row["strategy"] for row in read_rows(tmp_path / "summary.csv")] == ["single"]
+
+
+def test_export_into_a_full_disk_exits_1_in_one_line_and_leaves_no_folder(weights_3_3, tmp_path):
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        base = disk / "models" / "digits"
+        assert one_line_refusal(run("export", "--weights", weights_3_3, "--out", base), 1) == (
+            f"Error: could not write the export {base / '1'}: No space left on device; nothing was left in its "
+            f"place. Received: ResourceExhaustedError")
+        assert list(disk.iterdir()) == []  # no empty models/ left
+
+
+def test_train_export_into_a_full_disk_exits_1_in_one_line_and_keeps_the_run_recorded(small_csv, tmp_path):
+    results = tmp_path / "results"
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        result = run("train", "--model", "3+3", "--epochs", 1, "--data", small_csv, "--results", results,
+                     "--export", disk / "models" / "digits", "--verbose", 0)
+        weights = results / runs.run_file_name(MODEL_NAMES["3+3"], "single", 1, ".weights.h5")
+        assert one_line_refusal(result, 1) == (
+            f"Error: the run is recorded in {results} (its weights: {weights}); could not write the export "
+            f"{disk / 'models' / 'digits' / '1'}: No space left on device; nothing was left in its place. "
+            f"Received: ResourceExhaustedError")
+        assert list(disk.iterdir()) == []
+    (row,) = read_rows(results / runs.RUNS_CSV)
+    assert (results / runs.RESULTS_LOG).read_text().splitlines()[-1].split()[1] == "end"
+    assert weights.is_file() and (results / row["epoch_csv"]).with_suffix("").with_suffix(".weights.h5").is_file()
+
+
+@pytest.fixture(scope="module")
+def foreign_exports(tmp_path_factory):
+    """SavedModels that are not `cnnpar export`'s, by folder name: damaged copies of a small one with its signature,
+    one without serving_default and one whose serving_default takes something else."""
+    import tensorflow as tf
+
+    class Small(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.zeros([784, 10]))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 784], tf.float32, name="pixels")])
+        def serve(self, pixels):
+            probabilities = tf.nn.softmax(pixels @ self.w)
+            return {"probabilities": probabilities, "class": tf.argmax(probabilities, -1)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+        def other(self, x):
+            return {"y": 2 * x}
+
+    folder, small = tmp_path_factory.mktemp("exports"), Small()
+    tf.saved_model.save(small, folder / "no serving_default", signatures={"other": small.other})
+    tf.saved_model.save(small, folder / "another signature", signatures={"serving_default": small.other})
+    for damaged, part in [("saved_model.pb cut short", "saved_model.pb"),
+                          ("variables cut short", "variables/variables.data-00000-of-00001")]:
+        tf.saved_model.save(small, folder / damaged, signatures={"serving_default": small.serve})
+        content = (folder / damaged / part).read_bytes()
+        (folder / damaged / part).write_bytes(content[:len(content) // 2])
+    return folder
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("saved_model.pb cut short", "expected a SavedModel as `cnnpar export` writes it, which TensorFlow cannot load "
+                                 "from there. Received: OSError: Cannot parse file b'{model_dir}/saved_model.pb': "
+                                 "Error parsing message with type 'tensorflow.SavedModel': Wire format was corrupt."),
+    ("variables cut short", "expected a SavedModel as `cnnpar export` writes it, which TensorFlow cannot load from "
+                            "there. Received: IndexError: Read less bytes than requested"),
+    ("no serving_default", "expected a SavedModel with the signature serving_default (pixels float32 [N, 784] -> "
+                           "probabilities, class). Received: signatures ['other']"),
+    ("another signature", "expected its serving_default signature to take pixels float32 [N, 784] -> "
+                          "probabilities, class. Received: x float32 [None, 3] -> y"),
+], ids=["saved_model.pb cut short", "variables cut short", "no serving_default", "another signature"])
+def test_predict_refuses_a_model_dir_that_is_not_an_export_in_one_line(foreign_exports, kaggle_dir, tmp_path, case,
+                                                                        expected):
+    model_dir = foreign_exports / case
+    result = run("predict", "--model-dir", model_dir, "--test", kaggle_dir / "test.csv", "--out",
+                 tmp_path / "submission.csv")
+    assert one_line_refusal(result, 2) == f"Error: {model_dir}: " + expected.format(model_dir=model_dir)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["cut short", "not HDF5", "another model kind", "named *.h5"])
+def test_export_refuses_weights_it_cannot_load_in_one_short_line(weights_3_3, tmp_path, case):
+    """Keras's own: "Layer count mismatch ... found 0 saved layers", 41 lines, or 213 with the arrays dumped."""
+    content, path, options = weights_3_3.read_bytes(), tmp_path / weights_3_3.name, []
+    if case == "cut short":
+        path.write_bytes(content[:len(content) // 2])
+        expected = (f"expected an HDF5 file of weights, as `cnnpar train` writes them, which h5py cannot read. "
+                    f"Received: OSError: Unable to synchronously open file (truncated file: eof = {len(content) // 2}")
+    elif case == "not HDF5":
+        path.write_text("label,pixel0\n")
+        expected = ("expected an HDF5 file of weights, as `cnnpar train` writes them, which h5py cannot read. "
+                    "Received: OSError: Unable to synchronously open file (file signature not found)")
+    elif case == "another model kind":
+        path.write_bytes(content)
+        options = ["--model", "2+2"]
+        expected = ("these weights are not the 2+2 model's (asked for: --model, or the file name); they are the 3+3 "
+                    "model's: give --model 3+3. Received: model=2+2")
+    else:
+        path = tmp_path / weights_3_3.name.replace(".weights.h5", ".h5")
+        path.write_bytes(content)
+        expected = (f"expected a file named *.weights.h5, as `cnnpar train` writes them: Keras reads the weights by "
+                    f"that suffix (any other .h5 as a Keras 2 model); rename it. Received: weights={path}")
+    line = one_line_refusal(run("export", "--weights", path, *options, "--out", tmp_path / "models"), 2)
+    assert line.startswith(f"Error: {path}: {expected}"), line
+    assert len(line.replace(str(path), "PATH")) < 300 and not (tmp_path / "models").exists()
+
+
+def test_an_existing_export_version_is_refused_alike_by_export_and_by_train_export(tmp_path):
+    (tmp_path / "models" / "1").mkdir(parents=True)
+    expected = (f"Error: {tmp_path / 'models' / '1'} already exists; choose another --version, or replace it with "
+                f"`cnnpar export --version 1 --force`. Received: --version 1")
+    exported = run("export", "--weights", tmp_path / "absent.weights.h5", "--out", tmp_path / "models", "--version", 1)
+    trained = run("train", "--export", tmp_path / "models", "--version", 1, "--results", tmp_path / "results")
+    assert one_line_refusal(exported, 2) == one_line_refusal(trained, 2) == expected
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["models"]
+
+
+def test_a_runs_csv_edited_during_the_run_fails_it_in_one_line_and_no_weights_disagree(small_csv, tmp_path,
+                                                                                        monkeypatch):
+    """``runs.append_run`` warned and returned None, the weights took their place without a row, and the run's
+    summary raised a TypeError."""
+    results, append_run = tmp_path / "results", runs.append_run
+    edited = ",".join(runs.RUNS_COLUMNS).replace(",machine,", ",") + "\n"
+
+    def edited_meanwhile(results_dir, *args, **kwargs):
+        (results_dir / runs.RUNS_CSV).write_text(edited)  # as a person edits it while the run trains
+        return append_run(results_dir, *args, **kwargs)
+
+    monkeypatch.setattr(runs, "append_run", edited_meanwhile)
+    result = run("train", "--model", "3+3", "--epochs", 1, "--data", small_csv, "--results", results, "--verbose", 0)
+    line = one_line_refusal(result, 1)
+    assert line.startswith(f"Error: the run trained, but its row could not be recorded: {results / 'runs.csv'}, "
+                           f"line 1: expected the header of this version's runs.csv"), line
+    assert line.endswith("; runs.csv and the weights still hold the runs before it, and results.log says this run "
+                         "failed"), line
+    assert (results / runs.RUNS_CSV).read_text() == edited
+    assert list(results.rglob("*.weights.h5")) == []
+    assert (results / runs.RESULTS_LOG).read_text().splitlines()[-1].split()[1] == "failed"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["train", "--mesh", "3"], "Error: Invalid value for '--mesh': expected DATAxMODEL with two positive ints, "
+                               "e.g. 2x2. Received: --mesh 3"),
+    (["train", "--strategy", "nope"], "Error: Invalid value for '--strategy': 'nope' is not one of 'async-ps', "),
+    (["train", "--epochs", "many"], "Error: Invalid value for '--epochs': 'many' is not a valid integer range."),
+    (["--bogus"], "Error: No such option '--bogus'."),
+    (["nosuch"], "Error: No such command 'nosuch'.")])
+def test_a_usage_error_is_one_line_without_clicks_usage_block(args, expected):
+    assert one_line_refusal(run(*args)).startswith(expected)
+
+
+def test_plan_into_a_full_disk_exits_1_in_one_line_and_writes_neither_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("CNNPAR_CACHE", str(tmp_path / "cache"))
+    assert run("plan", "--model", "3+3", "--devices", 1).exit_code == 0  # measured once: the second plan is cached
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        fill(disk, leave=8192)  # plan.csv (one page) fits, plan.png (tens of kB) does not
+        out = disk / "plan"
+        assert one_line_refusal(run("plan", "--model", "3+3", "--devices", 1, "--out", out), 1) == (
+            f"Error: could not write into {out}: No space left on device; neither plan.csv nor plan.png was "
+            f"written. Received: --out {out}")
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]

@@ -18,6 +18,7 @@ hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4
 
 import csv
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 from keras_cnnpar.results import runs
-from keras_cnnpar.runtime.atomic import write_atomic
+from keras_cnnpar.runtime.atomic import write_together
 from keras_cnnpar.runtime.subprocesses import dying_with_parent, python_command
 from keras_cnnpar.strategies import registry
 from keras_cnnpar.zoo.names import MODEL_NAMES
@@ -122,14 +123,15 @@ def record(results_dir, config, status, seconds, detail=""):
                          round(seconds, 1), detail.replace("\n", " | ")])
 
 
-def summarize(results_dir):
-    """One summary row per configuration (its latest run) from ``runs.csv`` and the epoch CSVs.
+def summarize(results_dir, recorded=None):
+    """One summary row per configuration (its latest run) from ``runs.csv`` (``recorded``: its rows, as
+    :func:`keras_cnnpar.results.runs.read_runs` reads them) and the epoch CSVs.
 
     Speedup follows ``runs.csv``'s rule (:func:`keras_cnnpar.results.runs.single_throughput`):
     against the latest Single run of the same model, global batch, precision, data and machine.
     """
     results_dir = Path(results_dir)
-    recorded = runs.read_csv(results_dir / runs.RUNS_CSV)
+    recorded = runs.read_runs(results_dir / runs.RUNS_CSV) if recorded is None else recorded
     latest = {(row["model"], row["strategy"], row["devices"]): row for row in recorded}
     rows = []
     for (model, strategy, devices), run in latest.items():
@@ -177,17 +179,28 @@ def likely_cause(row):
 
 
 def write_report(results_dir):
-    """Write ``summary.csv``, ``summary.md`` and the plots into ``results_dir``; return the rows and the Markdown."""
+    """Write ``summary.csv``, ``summary.md`` and the plots into ``results_dir``, all at once (a failure to write
+    one, a full disk, leaves every summary file as it was); return the rows and the Markdown.
+
+    A ``runs.csv`` that does not read as a version wrote it raises
+    :class:`keras_cnnpar.results.runs.ResultsFileError` (see :func:`keras_cnnpar.results.runs.read_runs`).
+    """
     results_dir = Path(results_dir)
-    rows = summarize(results_dir)
+    recorded = runs.read_runs(results_dir / runs.RUNS_CSV)
+    rows = summarize(results_dir, recorded)
     if not rows:
         raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
                          f"Received: --results {results_dir}")
-    write_atomic(results_dir / "summary.csv", runs.csv_text(SUMMARY_COLUMNS, [
-        {k: _cell(v) for k, v in row.items()} for row in rows]))
-    markdown = markdown_table(rows) + "\n\n" + provenance_text(runs.read_csv(results_dir / runs.RUNS_CSV))
-    write_atomic(results_dir / "summary.md", "# Sweep summary\n\n" + markdown + "\n")
-    plot(results_dir, rows)
+    markdown = markdown_table(rows) + "\n\n" + provenance_text(recorded)
+    figures = plot(results_dir, rows, recorded)
+    try:
+        write_together({
+            results_dir / "summary.csv": runs.csv_text(SUMMARY_COLUMNS, [{k: _cell(v) for k, v in row.items()}
+                                                                         for row in rows]),
+            results_dir / "summary.md": "# Sweep summary\n\n" + markdown + "\n",
+            **{results_dir / name: functools.partial(_save, figure) for name, figure in figures.items()}})
+    finally:
+        _close(figures.values())
     return rows, markdown
 
 
@@ -218,8 +231,9 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def plot(results_dir, rows):
-    """``accuracy.png`` (validation accuracy per epoch), ``throughput.png``, ``speedup.png`` and ``efficiency.png``."""
+def plot(results_dir, rows, recorded):
+    """The figures of the summary ``rows`` (and ``runs.csv``'s ``recorded`` rows) by file name: ``accuracy.png``
+    (validation accuracy per epoch), ``throughput.png``, ``speedup.png`` and ``efficiency.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,7 +241,7 @@ def plot(results_dir, rows):
 
     kinds = sorted({r["model"] for r in rows})
     figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
-    latest = {(r["model"], r["strategy"], r["devices"]): r for r in runs.read_csv(Path(results_dir) / runs.RUNS_CSV)}
+    latest = {(r["model"], r["strategy"], r["devices"]): r for r in recorded}
     for axis, kind in zip(axes[0], kinds):
         for (model, strategy, devices), run in sorted(latest.items()):
             if model == kind:
@@ -237,7 +251,7 @@ def plot(results_dir, rows):
         axis.set(title=runs.model_label(kind), xlabel="epoch", ylabel="validation accuracy")
         axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         axis.legend(fontsize=7)
-    _save(figure, Path(results_dir) / "accuracy.png")
+    figures = {"accuracy.png": figure}
     for column, label in (("images_per_second", "images/s"), ("speedup", "speedup vs single"),
                           ("efficiency", "efficiency (speedup / N)")):
         figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
@@ -248,15 +262,21 @@ def plot(results_dir, rows):
                 axis.axhline(EFFICIENCY_FLOOR, color="red", linestyle="--", linewidth=1)
             axis.set(title=runs.model_label(kind), ylabel=label)
             axis.tick_params(axis="x", labelsize=7)
-        _save(figure, Path(results_dir) / f"{column.replace('images_per_second', 'throughput')}.png")
+        figures[f"{column.replace('images_per_second', 'throughput')}.png"] = figure
+    return figures
 
 
 def _save(figure, path):
+    """Write ``figure`` as a PNG into ``path`` (a temporary file, see :func:`write_together`)."""
     figure.tight_layout()
-    write_atomic(path, None, write=lambda partial: figure.savefig(partial, dpi=100))
+    figure.savefig(path, dpi=100, format="png")
+
+
+def _close(figures):
     from matplotlib import pyplot
 
-    pyplot.close(figure)
+    for figure in figures:
+        pyplot.close(figure)
 
 
 def _number(text):

@@ -37,8 +37,8 @@ __all__ = ["EpochLogger", "RunInfo", "RunNotRecorded", "RunRecorder", "run_callb
 
 
 class RunNotRecorded(RuntimeError):
-    """A run trained, but its end could not be written (a full disk): it is logged as failed, and ``runs.csv`` and
-    the weights still describe the runs before it."""
+    """A run trained, but its end could not be written (a full disk, or a ``runs.csv`` that became unusable during
+    the run): it is logged as failed, and ``runs.csv`` and the weights still describe the runs before it."""
 
 
 class EpochLogger(keras.callbacks.Callback):
@@ -218,8 +218,10 @@ class RunRecorder(keras.callbacks.Callback):
 
         The weights are written to temporary files, which take their places
         only once the row is recorded. A failure to write (``OSError``: a full
-        disk) leaves the files of the runs before as they were, logs the run as
-        failed and raises :class:`RunNotRecorded`.
+        disk), or with ``save_weights`` a ``runs.csv`` that cannot take the row
+        (edited during the run), leaves the files of the runs before as they
+        were, logs the run as failed and raises :class:`RunNotRecorded`;
+        without weights, such a ``runs.csv`` only loses this run's row, with a warning.
         """
         if not self.epochs.rows:
             return
@@ -227,10 +229,10 @@ class RunRecorder(keras.callbacks.Callback):
         try:
             if self.save_weights:
                 staged = _staged_weights(model, self.results_dir, self.info.weights_files)
-            self.row = runs.append_run(self.results_dir, self.info, self.epochs.rows)
+            self.row = runs.append_run(self.results_dir, self.info, self.epochs.rows, strict=self.save_weights)
             for temporary, path in staged:
                 os.replace(temporary, path)
-        except OSError as error:
+        except (OSError, ValueError) as error:
             for temporary, _ in staged:
                 atomic.discard(temporary)
             raise self._not_recorded(error) from error
@@ -244,15 +246,22 @@ class RunRecorder(keras.callbacks.Callback):
                                  f"errno={error.errno}") from error
 
     def _not_recorded(self, error):
-        """The :class:`RunNotRecorded` of a failure to write the run's end, once the run is logged as failed."""
-        message = (f"the run trained, but its results could not be written into {self.results_dir}: "
-                   f"{_reason(error)}; runs.csv and the weights still hold the runs before it")
+        """The :class:`RunNotRecorded` of a failure to write the run's end (an ``OSError``, or the ``ValueError`` of
+        a ``runs.csv`` that cannot take the row), once the run is logged as failed."""
+        if isinstance(error, OSError):
+            message = (f"the run trained, but its results could not be written into {self.results_dir}: "
+                       f"{_reason(error)}; runs.csv and the weights still hold the runs before it")
+            received = f". Received: {type(error).__name__} errno={error.errno}"
+        else:  # its message ends in what it received, and what to do
+            message = f"the run trained, but its row could not be recorded: {error}; runs.csv and the weights " \
+                      f"still hold the runs before it"
+            received = ""
         try:
             self.on_failure(RunNotRecorded(message))
             message += ", and results.log says this run failed"
         except (OSError, ValueError):
             message += " (results.log could not be written either)"
-        return RunNotRecorded(f"{message}. Received: {type(error).__name__} errno={error.errno}")
+        return RunNotRecorded(message + received)
 
     def on_failure(self, error):
         """Log why training stopped (``cnnpar.fit`` calls this when training raises)."""

@@ -72,9 +72,17 @@ RUNS_COLUMNS = [
 #: first version's, and the one before the time split's columns.
 OLDER_RUNS_COLUMNS = (RUNS_COLUMNS[:RUNS_COLUMNS.index("precision")],
                       RUNS_COLUMNS[:RUNS_COLUMNS.index(SPLIT_COLUMNS[0])])
+#: The columns of ``runs.csv`` that hold a number, or nothing.
+NUMBER_COLUMNS = ("devices", "global_batch", "epochs", "loss", "accuracy", "val_loss", "val_accuracy",
+                  "train_seconds", "images_per_second", "speedup", "efficiency", *SHARE_COLUMNS)
 BASELINE = "single"
 #: What a run and its Single baseline must share for a speedup to mean anything.
 BASELINE_KEYS = ("model", "global_batch", "precision", "data", "machine")
+
+
+class ResultsFileError(ValueError):
+    """A results file that does not read as a version of this library wrote it; the message names the file, the
+    line and, where one is at fault, the column."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +419,7 @@ def _backup_name(path):
     return next(path.with_name(name) for name in names if not path.with_name(name).exists())
 
 
-def append_run(results_dir, info, epochs):
+def append_run(results_dir, info, epochs, strict=False):
     """Append the row of a finished run (its :class:`RunInfo` and epoch rows) to ``runs.csv``; return it.
 
     An older ``runs.csv`` is migrated first (:func:`prepare_runs_csv`, which a
@@ -419,7 +427,8 @@ def append_run(results_dir, info, epochs):
     with the wrong number of values are skipped when looking for the Single
     baseline, each with a warning that names the file and the line; a file
     that became unusable during the run keeps its content, and the row is not
-    recorded there (a warning says so).
+    recorded there: a warning says so and None is returned, or with ``strict``
+    (the run's weights ride on its row) a ``ValueError`` is raised.
     """
     path = Path(results_dir) / RUNS_CSV
     with locked(path) as file:
@@ -427,6 +436,8 @@ def append_run(results_dir, info, epochs):
         try:
             migrated = _migrated(path, text)
         except ValueError as error:
+            if strict:
+                raise
             warnings.warn(f"{error}; this run's row was not recorded there", stacklevel=3)
             return None
         throughput = run_throughput(epochs)
@@ -456,13 +467,50 @@ def append_run(results_dir, info, epochs):
 def _recorded_rows(path, text):
     """The well-formed rows of ``text``, the content of ``runs.csv`` under the current header."""
     lines = list(csv.reader(io.StringIO(text)))
-    if not lines:
-        return []
-    rows = []
-    for number, values in enumerate(lines[1:], start=2):
-        if len(values) != len(RUNS_COLUMNS):
-            warnings.warn(f"{path}, line {number}: expected {len(RUNS_COLUMNS)} comma-separated values. Received: "
+    return [dict(zip(RUNS_COLUMNS, values)) for _, values in _whole_rows(path, lines[1:], RUNS_COLUMNS)]
+
+
+def _whole_rows(path, lines, header):
+    """``(line number, values)`` of each of ``lines`` (a CSV file's rows after ``header``) that holds a value per
+    column; a warning names each other line (cut short, say: a run that stopped mid-write) and it is left out."""
+    for number, values in enumerate(lines, start=2):
+        if len(values) != len(header):
+            warnings.warn(f"{path}, line {number}: expected {len(header)} comma-separated values. Received: "
                           f"{len(values)} values; the line is ignored", stacklevel=3)
             continue
-        rows.append(dict(zip(RUNS_COLUMNS, values)))
+        yield number, values
+
+
+def read_runs(path):
+    """The rows of the ``runs.csv`` at ``path`` as dicts, checked for a report (``[]`` where it does not exist).
+
+    A header that no version wrote (a name missing or renamed: the values would shift under the names) and a value
+    that is not a number in a column of numbers (:data:`NUMBER_COLUMNS`) raise :class:`ResultsFileError`, naming the
+    file, the line and the column; a line of another number of values than the header's (cut short) is left out,
+    with a warning naming it, as :func:`append_run` leaves it out of the speedup's baseline.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / RUNS_CSV
+    >>> _ = path.write_text(csv_text(RUNS_COLUMNS, [{"model": "m", "devices": "2", "images_per_second": "fast"}]))
+    >>> read_runs(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    keras_cnnpar.results.runs.ResultsFileError: .../runs.csv, line 2, column images_per_second: expected a number or nothing. Received: 'fast'
+    """
+    if not Path(path).exists():
+        return []
+    with open(path, newline="", encoding="utf-8") as file:
+        lines = list(csv.reader(file))
+    if not lines:
+        return []
+    header = lines[0]
+    if header not in (RUNS_COLUMNS, *OLDER_RUNS_COLUMNS):
+        raise ResultsFileError(_unknown_header(path, header))
+    rows = []
+    for number, values in _whole_rows(path, lines[1:], header):
+        row = dict(zip(header, values))
+        for column in NUMBER_COLUMNS:
+            if row.get(column) and _number(row[column]) is None:
+                raise ResultsFileError(f"{path}, line {number}, column {column}: expected a number or nothing. "
+                                       f"Received: {row[column]!r}")
+        rows.append(row)
     return rows

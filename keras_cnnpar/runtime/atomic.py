@@ -93,6 +93,60 @@ def stage(path, content=None, write=None):
     return temporary
 
 
+def write_together(files):
+    """Write several files all at once: ``files`` maps each path to its content, text or bytes, or to a
+    ``write(temporary_path)`` function (as :func:`write_atomic` takes them). Every file is staged (:func:`stage`)
+    before any takes its place, so a failure to write one (a full disk) leaves every file as it was and no
+    temporary file behind.
+
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> write_together({folder / "a.txt": "old", folder / "b.txt": b"old"})
+    >>> def full(temporary):
+    ...     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    >>> write_together({folder / "a.txt": "new", folder / "b.txt": full})
+    Traceback (most recent call last):
+    OSError: [Errno 28] No space left on device
+    >>> [(p.name, p.read_text()) for p in sorted(folder.iterdir())]
+    [('a.txt', 'old'), ('b.txt', 'old')]
+    """
+    staged = []
+    try:
+        for path, content in files.items():
+            staged.append((stage(path, None, content) if callable(content) else stage(path, content), path))
+        for temporary, path in staged:
+            os.replace(temporary, path)
+    except BaseException:
+        for temporary, _ in staged:
+            discard(temporary)  # those renamed already are gone from their temporary names
+        raise
+
+
+@contextlib.contextmanager
+def made_folder(folder):
+    """``folder``, created with its missing parents for the block; if the block fails, the folders it created go
+    again where they are empty, so a failed write leaves no empty folder behind (nor one a rerun trips on).
+
+    >>> base = Path(tempfile.mkdtemp())
+    >>> try:
+    ...     with made_folder(base / "models" / "digits"):
+    ...         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    ... except OSError:
+    ...     pass
+    >>> list(base.iterdir())
+    []
+    """
+    folder = Path(os.path.abspath(folder))
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]  # the deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    except BaseException:
+        for path in missing:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        raise
+
+
 def discard(temporary):
     """Remove a temporary file (:func:`stage`), emptied first: a library that still holds it open after a failed write
     (h5py, which writes again when its file object is collected) then finds room on a full disk rather than failing

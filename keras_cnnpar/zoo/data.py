@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar.runtime.atomic import write_atomic
+from keras_cnnpar.runtime.atomic import made_folder, write_together
 
 DEFAULT_SOURCE = "mnist-5k"
 IMAGE_SIDE = 28
@@ -405,16 +405,15 @@ def class_sample_weights(labels, class_weight):
 def write_kaggle(out_dir, *, test_fraction=0.2, seed=0):
     """Write the embedded digits as Kaggle ``train.csv`` and an unlabeled ``test.csv``.
 
-    The test part is a stratified split of ``test_fraction``. Each file is written
-    to a temporary name and renamed, so a failure leaves no half-written file.
-    Returns the two paths.
+    The test part is a stratified split of ``test_fraction``. Both files are
+    written to temporary names and renamed together, so a failure (a full disk)
+    leaves neither, nor a folder this call created. Returns the two paths.
     """
     train, test = split(_load_embedded(), validation_fraction=test_fraction, seed=seed)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    train_path, test_path = out_dir / "train.csv", out_dir / "test.csv"
-    _write_csv(train_path, TRAIN_HEADER, np.column_stack([train.y, _pixels(train.x)]))
-    _write_csv(test_path, PIXEL_HEADER, _pixels(test.x))
+    train_path, test_path = Path(out_dir) / "train.csv", Path(out_dir) / "test.csv"
+    with made_folder(out_dir):
+        write_together({train_path: _csv_writer(TRAIN_HEADER, np.column_stack([train.y, _pixels(train.x)])),
+                        test_path: _csv_writer(PIXEL_HEADER, _pixels(test.x))})
     return train_path, test_path
 
 
@@ -422,6 +421,6 @@ def _pixels(images):
     return np.rint(images.reshape(len(images), -1) * 255.0).astype(np.int64)
 
 
-def _write_csv(path, header, rows):
-    write_atomic(path, None, write=lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",",
-                                                                    header=",".join(header), comments=""))
+def _csv_writer(header, rows):
+    """A function writing ``rows`` of integers under ``header`` into the file it is given."""
+    return lambda partial: np.savetxt(partial, rows, fmt="%d", delimiter=",", header=",".join(header), comments="")
