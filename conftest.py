@@ -20,7 +20,8 @@ devices.configure(4, kind="CPU")
 
 #: Doctests that start processes of their own, left out of the quick tier (``pytest -m "not slow"``) as the
 #: slow tests are.
-SLOW_DOCTESTS = ("keras_cnnpar/serving.py",)
+SLOW_DOCTESTS = ("keras_cnnpar/serving.py", "keras_cnnpar/runtime/startup.py::keras_cnnpar.runtime.startup.exit_now",
+                 "keras_cnnpar/runtime/startup.py::keras_cnnpar.runtime.startup.keras_extras_skipped")
 
 
 #: The test files that take longest, longest first (seconds summed over their tests, AMD EPYC with AVX2 only,

@@ -5,8 +5,9 @@ strategy ALIAS on a finite, shuffled, batched ``tf.data`` pipeline of 8
 batches with an ``EarlyStopping`` that stops after the second epoch (with
 ``resume=True`` where the strategy keeps checkpoints and the order allows it),
 evaluates the user's model, and fits it again under "single". Prints ``ALIAS
-EPOCHS STEPS ACCURACY UNCHANGED``, the last whether the strategy object's
-attributes are what they were before its ``fit``.
+EPOCHS STEPS KERAS STRATEGY FINAL UNCHANGED``: the validation accuracy after
+Keras's fit, after the strategy's and after the last ``single`` fit, then
+whether the strategy object's attributes are what they were before its ``fit``.
 """
 
 import sys
@@ -26,6 +27,7 @@ def main(alias):
     keras.utils.set_random_seed(0)
     model = cnnpar.models.cnn("2+2")
     keras.Model.fit(model, x, y, batch_size=64, epochs=1, verbose=0)  # Keras's own fit, before any strategy
+    keras_accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
     user_data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(512, seed=0).batch(64)  # 8 batches
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=10.0)  # stops after the 2nd epoch
     before = int(model.optimizer.iterations.numpy())
@@ -37,8 +39,10 @@ def main(alias):
     steps = int(model.optimizer.iterations.numpy()) - before
     accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
     model.fit(x, y, batch_size=64, epochs=1, strategy="single", results_dir=None, verbose=0)
+    final_accuracy = model.evaluate(val.x, val.y, verbose=0)[1]
     unchanged = vars(strategy) == configuration
-    print(alias, len(history.history["loss"]), steps, accuracy, unchanged)  # under cnnpar launch: the chief's output
+    print(alias, len(history.history["loss"]), steps, keras_accuracy, accuracy, final_accuracy,
+          unchanged)  # under cnnpar launch: the chief's output
 
 
 if __name__ == "__main__":

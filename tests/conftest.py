@@ -1,7 +1,5 @@
 """Fixtures shared by the test modules; plain helpers live in ``tests/helpers.py``."""
 
-import time
-
 import pytest
 
 from keras_cnnpar.zoo import data
@@ -37,11 +35,19 @@ def few_val_digits(digits):
 
 
 @pytest.fixture(scope="session")
-def small_csv(tmp_path_factory):
+def kaggle_dir(tmp_path_factory):
+    """The default data as ``cnnpar data kaggle`` writes it: ``train.csv`` (4,000 digits) and ``test.csv`` (1,000,
+    unlabeled). Tests that need fewer digits cut them with ``helpers.kaggle_head``."""
+    folder = tmp_path_factory.mktemp("kaggle")
+    result = helpers.run_cli("data", "kaggle", "--out", folder)
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+@pytest.fixture(scope="session")
+def small_csv(kaggle_dir, tmp_path_factory):
     """A Kaggle train.csv of 400 digits, so an epoch under 2 workers takes a second or two."""
-    folder = tmp_path_factory.mktemp("data")
-    train_path, _ = data.write_kaggle(folder, test_fraction=0.2, seed=0)
-    return helpers.write_lines(folder / "small.csv", train_path.read_text().splitlines()[:401])
+    return helpers.kaggle_head(kaggle_dir / "train.csv", 400, tmp_path_factory.mktemp("data") / "small.csv")
 
 
 @pytest.fixture
@@ -53,9 +59,10 @@ def small_cnn():
 def no_process_left_behind():
     """Fail the session if a process that the suite started is still alive at its end (and end it)."""
     yield
-    deadline = time.monotonic() + 15
-    while (left := helpers.suite_processes()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in left:
-        helpers.kill_tree(pid)
-    assert not left, f"processes started by the test suite outlived it: {left}"
+    try:
+        helpers.wait_until(lambda: not helpers.suite_processes(), "every process the suite started to end", 15)
+    except AssertionError:
+        left = helpers.suite_processes()
+        for pid in left:
+            helpers.kill_tree(pid)
+        raise AssertionError(f"processes started by the test suite outlived it: {left}") from None

@@ -5,11 +5,14 @@ Test modules import from here, never from each other or from ``conftest.py``.
 
 import contextlib
 import csv
+import fcntl
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from click.testing import CliRunner
 
 from keras_cnnpar import api, cli
 from keras_cnnpar.cluster import spec as cluster
+from keras_cnnpar.engine import hold
 from keras_cnnpar.runtime import hardware
 from keras_cnnpar.strategies import registry
 from keras_cnnpar.zoo import models
@@ -182,6 +186,20 @@ def max_difference(first, second):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(first, second))
 
 
+def assert_same_step(reference, candidate, tolerance, *, before, moved=1e-3, relative=False):
+    """Assert that ``reference`` moved more than ``moved`` away from ``before`` (so the comparison means
+    something) and that ``candidate`` is within ``tolerance`` of ``reference`` (``relative``: of how far it
+    moved). Each is a model or a list of its weights; returns how far ``reference`` moved."""
+    reference, candidate, before = (w.get_weights() if isinstance(w, keras.Model) else w
+                                    for w in (reference, candidate, before))
+    step = max_difference(reference, before)
+    assert step > moved, f"the reference moved {step:.3g} from where it started, not more than {moved}"
+    allowed = tolerance * step if relative else tolerance
+    off = max_difference(candidate, reference)
+    assert off < allowed, f"{off:.3g} away from the reference, not within {allowed:.3g} (it moved {step:.3g})"
+    return step
+
+
 def read_rows(path):
     """The rows of a CSV file as dicts."""
     with open(path, newline="") as file:
@@ -205,7 +223,28 @@ def run_cli(*args):
 
 
 def cnnpar_command(*args):
-    return [sys.executable, "-m", "keras_cnnpar.cli", *args]
+    """The command line of ``cnnpar ARGS...`` run by this Python (arguments made strings)."""
+    return [sys.executable, "-m", "keras_cnnpar.cli", *map(str, args)]
+
+
+def listening_sockets(net_folder):
+    """``{(port, inode)}`` of the TCP sockets in LISTEN state in a ``/proc/.../net`` folder (one network
+    namespace's view)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in (Path(net_folder) / table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                found.add((int(fields[1].rpartition(":")[2], 16), fields[9]))
+    return found
+
+
+def flock_waiters(path):
+    """The pids of the processes waiting for the ``flock`` of ``path`` (the ``->`` lines of ``/proc/locks``)."""
+    stat = os.stat(path)
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    fields = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+    return {int(f[5]) for f in fields if f[1:3] == ["->", "FLOCK"] and f[6] == device}
 
 
 
@@ -243,6 +282,12 @@ def tmpfs(folder, size):
 def fill(folder, leave):
     """Fill the disk of ``folder`` with a file until ``leave`` bytes are free."""
     (folder / "filler").write_bytes(bytes(os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize - leave))
+
+
+def read_only(folder):
+    """Make the tmpfs on ``folder`` (:func:`tmpfs`) read-only, its files kept: a disk where even root creates
+    nothing (and where ``os.access`` tells root it can)."""
+    subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
 
 
 def kill_tree(pid):
@@ -294,32 +339,103 @@ def alive(pid):
 
 def still_alive_after(pids, seconds=30):
     """The processes of ``pids`` still alive once all have ended or ``seconds`` have passed (``[]``: all gone)."""
-    deadline = time.monotonic() + seconds
-    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not any(alive(pid) for pid in pids), f"the processes {pids} to end", seconds)
+    return [pid for pid in pids if alive(pid)]
 
 
-def worker_envs(workers=2):
-    spec = cluster.local_spec(workers)
-    return [{**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]
+#: How often :func:`wait_until` looks again.
+POLL_SECONDS = 0.1
+
+
+def wait_until(condition, what, timeout=120, process=None, poll=POLL_SECONDS):
+    """Poll ``condition()`` every ``poll`` seconds until it returns something true, and return that: the one way
+    the tests wait.
+
+    Fails with a message naming ``what`` (what was awaited) once ``timeout``
+    seconds have passed, or as soon as ``process`` (a ``Popen``), when given,
+    ended first. The timeout only ends a wait that went wrong; no verdict
+    depends on how long the wait took.
+    """
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if process is not None and process.poll() is not None:
+            output = process.communicate()[0] if process.stdout else None
+            raise AssertionError(f"{what}: process {process.pid} ended first (exit code {process.returncode})"
+                                 + (f"; its last output:\n{output[-3000:]}" if output else ""))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(poll)
+    return value
+
+
+#: The suite's servers listen on ports from ``PORTS_FIRST`` on, below the kernel's ephemeral range (32768-60999 by
+#: default), so no outgoing connection and no ``bind`` to port 0 of any process takes one; each pytest-xdist worker
+#: has a block of ``PORTS_PER_WORKER`` of its own.
+PORTS_FIRST, PORTS_PER_WORKER = 20000, 1000
+_claimed_ports = []  # the open lock files of the ports this process claimed: they stay its own until it exits
+
+
+def reserve_ports(count):
+    """``count`` TCP ports that no other test process is given, and that nothing listens on now.
+
+    The block comes from the pytest-xdist worker's name (``gw0``: 20000-20999, ``gw1``: 21000-21999, ...; without
+    xdist: 31000-31999). A port is claimed by an exclusive ``flock`` on ``$TMPDIR/cnnpar-test-ports/PORT``, held
+    until this process exits, so neither a later call here nor another test session on this machine (whose
+    worker may have the same name) is given it again.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    first = PORTS_FIRST + PORTS_PER_WORKER * (int(worker[2:]) % 11 if worker[2:].isdigit() else 11)
+    folder = Path(tempfile.gettempdir()) / "cnnpar-test-ports"
+    folder.mkdir(exist_ok=True)
+    ports = []
+    for port in range(first, first + PORTS_PER_WORKER):
+        if len(ports) == count:
+            break
+        lock = open(folder / str(port), "a")  # noqa: SIM115 (held open until this process exits)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as probe:
+                probe.bind(("", port))  # nothing listens there (nor lingers, without SO_REUSEADDR)
+        except OSError:
+            lock.close()
+            continue
+        _claimed_ports.append(lock)
+        ports.append(port)
+    assert len(ports) == count, f"only {len(ports)} of {count} ports left in {first}-{first + PORTS_PER_WORKER - 1}"
+    return ports
+
+
+def worker_envs(workers=2, env=ENV):
+    """The environments of ``workers`` MultiWorker processes on loopback (``env`` and a ``TF_CONFIG`` each), their
+    ports reserved (:func:`reserve_ports`)."""
+    spec = cluster.local_spec(workers, ports=reserve_ports(workers))
+    return [{**env, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", i).tf_config())} for i in range(workers)]
+
+
+def held(folder, *epochs, env=ENV):
+    """``env`` for a run that waits after each of ``epochs`` until :func:`release` (``CNNPAR_HOLD_DIR``,
+    ``keras_cnnpar/engine/hold.py``): a run still training when the test acts on it, however fast the machine."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for epoch in epochs:
+        (folder / str(epoch)).touch()
+    return {**env, hold.ENVIRONMENT: str(folder)}
+
+
+def release(folder):
+    """Let a run started with :func:`held` go on past every epoch it was to wait after."""
+    for file in folder.iterdir():
+        file.unlink()
 
 
 def wait_for_epoch_rows(csv_path, rows, process, timeout=180):
     """Wait until the epoch CSV holds ``rows`` rows (the run provably finished that many epochs)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None:
-        if csv_path.exists() and len(csv_path.read_text().splitlines()) > rows:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"no epoch row {rows} in {csv_path} within {timeout} s")
+    wait_until(lambda: csv_path.exists() and len(csv_path.read_text().splitlines()) > rows,
+               f"epoch row {rows} in {csv_path}", timeout, process)
 
 
 def wait_for_file(path, process, timeout=120):
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline and process.poll() is None, f"no {path} within {timeout} s"
-        time.sleep(0.2)
+    wait_until(path.exists, f"the file {path}", timeout, process)
 
 
 def loads_tensorflow(pid):
@@ -331,17 +447,14 @@ def loads_tensorflow(pid):
 
 def worker_pid(launcher, index):
     """The pid of local worker ``index`` started by the launcher process (directly or through its namespace)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def found():
         for pid in descendants(launcher.pid):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if f'"index": {index}}}' in environ:
-                return pid
-        time.sleep(0.2)
-    raise AssertionError(f"worker {index} is not below the launcher {launcher.pid}")
+            with contextlib.suppress(OSError):
+                if f'"index": {index}}}' in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
+                    return pid
+        return None
+
+    return wait_until(found, f"worker {index} below the launcher {launcher.pid}", 30)
 
 
 # Kaggle CSV test data, for the data loader's and the CLI's tests.
@@ -411,3 +524,8 @@ def write_lines(path, lines):
     """Write ``lines``, each ending in a newline (no lines: an empty file)."""
     path.write_text("".join(line + "\n" for line in lines))
     return path
+
+
+def kaggle_head(train_csv, digits, path):
+    """Write the header and the first ``digits`` rows of the Kaggle ``train_csv`` to ``path``; return ``path``."""
+    return write_lines(path, Path(train_csv).read_text().splitlines()[:digits + 1])

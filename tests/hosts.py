@@ -13,7 +13,8 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
+
+from tests.helpers import wait_until
 
 SUBNET = "10.231.7"
 
@@ -87,16 +88,21 @@ class Hosts:
         return found
 
     def close(self):
-        for process in self.processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while (left := self.pids()) and time.monotonic() < deadline:
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
-        for process in self.processes:
-            process.wait(timeout=10)
-        for name in [*self.names, self.switch]:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        try:
+            for process in self.processes:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+            wait_until(lambda: not self._kill_left(), f"every process in the namespaces {self.names} to end", 10)
+            for process in self.processes:
+                process.wait(timeout=10)
+        finally:
+            for name in [*self.names, self.switch]:
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def _kill_left(self):
+        """SIGKILL every process still in the namespaces; return their pids."""
+        left = self.pids()
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return left

@@ -9,21 +9,27 @@ its own), writing under ``OUT-MODE``. Modes:
   ``MultiWorker(accumulate=2)``: one update, one gradient sync.
 - ``residual``: one SGD step of the resnet model in float64 (BatchNormalization,
   synchronized across the workers) on the same 64 digits.
-- ``shards``: every worker writes the example indices its slices of the batches
-  held, over two epochs of a shuffled pipeline, to ``OUT.<index>.json``.
+- ``shards``: every worker writes the example indices that ``cnnpar.fit`` handed
+  its training steps, over two shuffled epochs, to ``OUT.<index>.json`` (a layer
+  of the model records each step's input: the examples are their own indices).
 """
 
+import itertools
 import json
 import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_cnnpar as cnnpar
 
 SHARD_EXAMPLES, SHARD_BATCH, EPOCHS = 48, 8, 2
+#: The inputs of this worker's training steps, in order (``Recorded``), and how many had run at each epoch's end.
+SEEN, EPOCH_ENDS = [], []
 
 
 def one_step(strategy, out, batch_size=64, builder="build_small_cnn"):
@@ -36,20 +42,32 @@ def one_step(strategy, out, batch_size=64, builder="build_small_cnn"):
     np.savez(f"{out}.{strategy.task.index}.npz", *model.get_weights())
 
 
+class Recorded(keras.layers.Layer):
+    """Passes its input on; in training, appends it to ``SEEN`` first (in this process, as the step runs)."""
+
+    def call(self, x, training=None):
+        if not training:
+            return x
+        recorded = tf.py_function(lambda values: SEEN.append(values.numpy().ravel().tolist()) or values, [x], x.dtype)
+        return tf.ensure_shape(recorded, x.shape)
+
+
+class EpochEnds(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        EPOCH_ENDS.append(len(SEEN))
+
+
 def shards(strategy, out):
-    indices = np.arange(SHARD_EXAMPLES, dtype="float32")
-    dataset = cnnpar.data.pipeline(indices, np.zeros(SHARD_EXAMPLES), SHARD_BATCH, shuffle=True,
-                                   seed=strategy.shuffle_seed)
-    batches = iter(strategy.distribute(dataset.repeat()))
-    steps = SHARD_EXAMPLES // SHARD_BATCH
-    seen = [[int(i) for _ in range(steps) for i in local_slice(strategy, next(batches))] for _ in range(EPOCHS)]
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(Recorded()(inputs)))
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    indices = np.arange(SHARD_EXAMPLES, dtype="float32").reshape(-1, 1)
+    cnnpar.fit(model, indices, np.zeros((SHARD_EXAMPLES, 1), "float32"), strategy=strategy, batch_size=SHARD_BATCH,
+               epochs=EPOCHS, shuffle=True, verbose=0, results_dir=None, callbacks=[EpochEnds()])
+    steps = [0, *EPOCH_ENDS]
+    seen = [[int(i) for step in SEEN[start:end] for i in step] for start, end in itertools.pairwise(steps)]
     with open(f"{out}.{strategy.task.index}.json", "w", encoding="utf-8") as file:
         json.dump(seen, file)
-
-
-def local_slice(strategy, batch):
-    x, _ = batch
-    return strategy._tf_strategy().experimental_local_results(x)[0].numpy()
 
 
 MODES = {"step": (1, one_step), "accumulate": (2, lambda strategy, out: one_step(strategy, out, batch_size=32)),

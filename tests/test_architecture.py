@@ -135,6 +135,7 @@ def test_only_keras_compat_touches_keras_private_api(private):
     assert users and all(user.startswith("keras_compat/") for user in users), users
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_an_old_import_path_gives_the_moved_module_with_a_deprecation_warning():
     script = ("import warnings\nwarnings.simplefilter('error')\nimport keras_cnnpar\n"
               "try:\n    import keras_cnnpar.planner\nexcept DeprecationWarning as w:\n    print(w)\n"

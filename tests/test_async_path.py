@@ -9,8 +9,6 @@ strategy, so these fits run in the test process itself.
 import contextlib
 import os
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import keras
@@ -21,7 +19,7 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar.cluster import network
 from keras_cnnpar.strategies.async_ps import remote as async_remote
 from keras_cnnpar.strategies.async_ps import run as async_run
-from tests.helpers import build_small_cnn, descendants
+from tests.helpers import build_small_cnn, listening_sockets
 
 pytestmark = pytest.mark.slow  # parameter-server clusters in processes of their own
 
@@ -30,13 +28,7 @@ EPOCHS = 6
 
 def listening_inodes(pid):
     """The socket inodes that listen on TCP in the network namespace of process ``pid``."""
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":  # LISTEN
-                inodes.add(fields[9])
-    return inodes
+    return {inode for _, inode in listening_sockets(f"/proc/{pid}/net")}
 
 
 def socket_inodes(pid):
@@ -48,54 +40,37 @@ def socket_inodes(pid):
     return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
 
 
-def command_line(pid):
-    """The command line of process ``pid``; empty once it has ended."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def data_bytes(folder):
     """The bytes of the batches in a coordinator's folder (the epochs' and the validation's; not the model files)."""
     return sum(path.stat().st_size for data in [*folder.glob("train-*"), *folder.glob("validation")]
                for path in data.rglob("*") if path.is_file())
 
 
-class Watcher(threading.Thread):
-    """Polls the run's coordinator process (its sockets), its temporary folder (size, epoch folders) and the
-    user's working folder (anything written there)."""
+class Watcher:
+    """Looks at the run each time the user's process hands the coordinator an epoch's batches (its ``train``
+    message, when they are all written and the coordinator has joined its cluster): the coordinator process (its
+    sockets), its temporary folder (size, epoch folders) and the user's working folder (anything written there)."""
 
     def __init__(self, temporary, working):
-        super().__init__(daemon=True)
-        self.temporary, self.working, self.done = temporary, working, threading.Event()
-        self.largest, self.most_epoch_folders, self.sockets, self.written = 0, 0, None, set()
+        self.temporary, self.working = temporary, working
+        self.looks, self.largest, self.most_epoch_folders, self.sockets, self.written = 0, 0, 0, None, set()
 
-    def run(self):
-        while not self.done.is_set():
-            self.written.update(path.name for path in self.working.iterdir())
-            for folder in self.temporary.glob("cnnpar-async-*"):
-                with contextlib.suppress(OSError):  # a file removed while it was measured
-                    self.largest = max(self.largest, data_bytes(folder))
-                    self.most_epoch_folders = max(self.most_epoch_folders, len(list(folder.glob("train-*"))))
-            module = async_remote.__name__.encode()
-            coordinators = [pid for pid in descendants(os.getpid()) if module in command_line(pid)]
-            for pid in coordinators:
-                try:
-                    own, here = listening_inodes(pid), listening_inodes(os.getpid())
-                    held = socket_inodes(pid)
-                except OSError:
-                    continue
-                if len(held & own) >= 4:  # 2 workers, 1 ps and the coordinator listen
-                    self.sockets = {"listening in its namespace": held & own, "listening here": held & here}
-            time.sleep(0.05)
+    def look(self, coordinator):
+        self.looks += 1
+        self.written.update(path.name for path in self.working.iterdir())
+        for folder in self.temporary.glob("cnnpar-async-*"):
+            self.largest = max(self.largest, data_bytes(folder))
+            self.most_epoch_folders = max(self.most_epoch_folders, len(list(folder.glob("train-*"))))
+        own, here, held = listening_inodes(coordinator), listening_inodes(os.getpid()), socket_inodes(coordinator)
+        if len(held & own) >= 4:  # 2 workers, 1 ps and the coordinator listen
+            self.sockets = {"listening in its namespace": held & own, "listening here": held & here}
 
 
 @pytest.fixture(scope="module")
 def observed_run(tmp_path_factory):
     """A 6-epoch AsyncPS(2) fit of a model built first, on 512 digits, without checkpoints, from an empty working
-    folder, watched from a thread. The rate is a schedule (nearly constant): the coordinator used to be sent the
-    epoch's rate to set, which Keras refuses."""
+    folder, looked at as each epoch starts (``Watcher``) and after the run. The rate is a schedule (nearly
+    constant): the coordinator used to be sent the epoch's rate to set, which Keras refuses."""
     temporary, working = tmp_path_factory.mktemp("temporary"), tmp_path_factory.mktemp("working")
     digits = cnnpar.data.load()
     x, y = digits.x[:512], digits.y[:512]
@@ -110,17 +85,21 @@ def observed_run(tmp_path_factory):
         finalize(run, user_model)
 
     watcher = Watcher(temporary, working)
+    send = async_remote.CoordinatorProcessRun._send
+
+    def look_then_send(run, message):
+        if "train" in message:
+            watcher.look(run.child.pid)
+        send(run, message)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tempfile, "tempdir", str(temporary))
         patch.chdir(working)
         patch.setattr(async_remote.CoordinatorProcessRun, "finalize", keep_trained)
-        watcher.start()
-        try:
-            model.fit(x, y, batch_size=64, epochs=EPOCHS, validation_data=validation,
-                      strategy=cnnpar.AsyncPS(workers=2, ps=1, checkpoint_dir=None), results_dir=None, verbose=0)
-        finally:
-            watcher.done.set()
-            watcher.join()
+        patch.setattr(async_remote.CoordinatorProcessRun, "_send", look_then_send)
+        model.fit(x, y, batch_size=64, epochs=EPOCHS, validation_data=validation,
+                  strategy=cnnpar.AsyncPS(workers=2, ps=1, checkpoint_dir=None), results_dir=None, verbose=0)
+    watcher.written.update(path.name for path in working.iterdir())
     one_pass = x.nbytes + y.nbytes + validation[0].nbytes + validation[1].nbytes
     return {"model": model, "trained": handed_back["trained"], "watcher": watcher, "one_pass": one_pass,
             "temporary": temporary}
@@ -135,6 +114,7 @@ def test_a_run_without_checkpoints_writes_nothing_in_the_working_folder(observed
 
 def test_the_temporary_folder_holds_one_pass_of_the_data_and_is_removed(observed_run):
     watcher = observed_run["watcher"]
+    assert watcher.looks == EPOCHS
     assert watcher.largest > observed_run["one_pass"] // 2  # the watcher saw the data
     # One epoch's batches and the validation batches at most, not 6 epochs' (the model files come beside them).
     assert watcher.largest <= 1.1 * observed_run["one_pass"], (watcher.largest, observed_run["one_pass"])
@@ -159,8 +139,19 @@ def test_the_users_model_gets_the_coordinators_optimizer_state(observed_run):
     assert max(float(np.max(np.abs(slot))) for slot in mine[2:]) > 0.0  # momentum slots that trained
 
 
+#: How far AsyncPS(2)'s 3+3 may end below Single's, in accuracy. The gap at a fixed seed varies from run to run
+#: with which worker's update lands first: seed 1 ended 0.2-1.6 points behind in the 7 runs of the docstring
+#: below (mean 0.9), seed 3 0.9 ahead to 0.1 behind; the widest spread of one seed's gap measured for the 3+3 with
+#: 2 workers is 1.0 point (standard deviation; seed 1 of benchmarks/async_robustness.py, four runs in
+#: docs/measurements/2026-12-05-avx2-asyncps.md). At 3 points seed 1 was 2.1 of those deviations from failing,
+#: about 1 run in 60 (and it dipped under load in CI); at 5 points it is 4.1 deviations: about 2 in 100,000 runs
+#: for seed 1 (normal tails), far fewer for seed 3, so below 1 in 10,000 for the test. A collapse (0.34-0.61
+#: before the fixes the docstring names) stays far below either.
+ASYNC_GAP = 0.05
+
+
 @pytest.mark.parametrize("seed", [1, 3])
-def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_3_points_of_single(seed):
+def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_5_points_of_single(seed):
     """The seed's 3+3 CNN (SGD 0.05, Nesterov momentum 0.9) collapsed in some seeds before the default warm-up
     and the division by (1 + staleness)^2 (docs/async.md). Without the division (staleness_aware=False),
     4 epochs, AMD Zen 5: seed 1 0.872, **0.336**, 0.703, 0.907 and seed 3 0.902, 0.810, **0.605**, 0.819 in one
@@ -180,7 +171,7 @@ def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_3_points_of_single(seed):
     single, asynchronous = histories["single"], histories["async"]
     assert asynchronous["loss"][0] == pytest.approx(single["loss"][0], rel=1e-5)  # the warm-up: Single's steps
     assert min(asynchronous["val_accuracy"]) >= 0.5, asynchronous["val_accuracy"]
-    assert asynchronous["val_accuracy"][-1] >= single["val_accuracy"][-1] - 0.03, (single, asynchronous)
+    assert asynchronous["val_accuracy"][-1] >= single["val_accuracy"][-1] - ASYNC_GAP, (single, asynchronous)
 
 
 def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():

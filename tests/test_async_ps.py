@@ -31,11 +31,15 @@ from tests.helpers import (
     cnnpar_command,
     descendants,
     epoch_column,
+    held,
+    kill_tree,
     processes,
+    release,
+    reserve_ports,
     still_alive_after,
     suite_processes,
     wait_for_epoch_rows,
-    wait_for_file,
+    wait_until,
 )
 from tests.helpers import read_rows as rows
 
@@ -65,6 +69,9 @@ def test_a_local_cluster_trains_the_resnet_to_single_s_floor(tmp_path):
                        r"unauthenticated", result.stderr)
     assert bool(warned) != network.private_network_available(), result.stderr[-2000:]
     (async_ps,) = rows(tmp_path / "results" / "runs.csv")
+    # AsyncPS(2)'s resnet ended at 0.957 on average in 21 runs (seeds 0-5; docs/measurements/2026-12-05-avx2-asyncps.md
+    # and docs/sweep/), standard deviation 0.003, lowest 0.950: the floor is 12 deviations below, so a false failure
+    # is out of reach (normal tails: below 1 in 10^30; even at a spread 3 times that, 1 in 10^8).
     assert float(async_ps["val_accuracy"]) >= FLOORS["resnet"], async_ps
     epochs = rows(tmp_path / "results" / "cnn2d_resnet_3stage_keras_tensorflow_async-ps_2dev.csv")
     assert [int(e["epoch"]) for e in epochs] == [1, 2, 3]
@@ -74,10 +81,13 @@ def test_a_local_cluster_trains_the_resnet_to_single_s_floor(tmp_path):
         assert float(epoch["steps_applied"]) == 63.0  # 4,000 images at batch 64, each step applied once
         assert float(epoch["lost_workers"]) == 0.0
         assert float(epoch["precise_bn_batches"]) == 16.0  # precise BN's statistics, from the default 16 batches
-    for epoch in epochs[1:]:
-        # Two workers update at once: some steps find the other's update landed after they read the weights.
-        assert float(epoch["staleness_max"]) >= 1.0
-        assert 0.0 < float(epoch["staleness_mean"]) < float(epoch["staleness_max"])
+    # Two workers update at once after the warm-up: some steps find the other's update landed after they read
+    # the weights. Taken over epochs 2 and 3 together (126 steps), not per epoch: the reference sweep's 2-worker
+    # runs had a mean staleness of 0.68-0.95 in every such epoch (docs/sweep/), so none was near zero.
+    later = epochs[1:]
+    assert max(float(epoch["staleness_max"]) for epoch in later) >= 1.0
+    assert sum(float(epoch["staleness_mean"]) for epoch in later) > 0.0
+    assert all(float(epoch["staleness_mean"]) <= float(epoch["staleness_max"]) for epoch in later)
     log = (tmp_path / "results" / "results.log").read_text()
     assert "layout async-ps: 2 workers, 1 parameter servers (local cluster)" in log
     # Adam: divided by 1 + staleness, not its square (SGD's, staleness_power's doctest).
@@ -95,7 +105,9 @@ def test_two_parameter_servers_share_the_variables_and_a_bfloat16_run_exports(tm
     log = (tmp_path / "results" / "results.log").read_text()
     assert f"precision={precision}" in log
     (epoch,) = rows(tmp_path / "results" / f"{RUN}.csv")
-    assert float(epoch["val_accuracy"]) >= 0.8  # one epoch of 2+2 learns, under bfloat16 too
+    # One epoch of 2+2 learns, under bfloat16 too. All 63 updates of epoch 1 are the warm-up's, one group at a
+    # time: Single's steps, 0.930 in docs/sweep/ (float32); 13 points above, only rounding varies between runs.
+    assert float(epoch["val_accuracy"]) >= 0.8
     held = dict(re.findall(r"layout (ps:\d) holds (\d+) model variables", log))
     assert sorted(held) == ["ps:0", "ps:1"] and sum(map(int, held.values())) == 8, log
     assert (tmp_path / "models" / "1" / "saved_model.pb").exists()
@@ -112,14 +124,19 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     try:
         command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "2",
                                  "--verbose", "2", "--results", "results")
-        with processes([command], tmp_path, [ENV]) as (coordinator,):
-            wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, coordinator)
+        hold = tmp_path / "hold"
+        with processes([command], tmp_path, [held(hold, 1)]) as (coordinator,):
+            wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, coordinator)  # the run waits after it
             os.kill(pids["worker"][1], signal.SIGKILL)
+            release(hold)  # epoch 2 starts with worker 1 gone
             output = coordinator.communicate(timeout=300)[0]
         assert coordinator.returncode == 0, output[-3000:]
         epochs = rows(tmp_path / "results" / f"{RUN}.csv")
         assert epoch_column(tmp_path / "results" / f"{RUN}.csv") == [1, 2]  # epoch 2 on the worker left
         assert [float(e["lost_workers"]) for e in epochs] == [0.0, 1.0]
+        # AsyncPS(2)'s 2+2 read 0.956 after epoch 2 (docs/sweep/; Single 0.964), its final accuracy varying by 0.3
+        # points (standard deviation, 20 runs, docs/measurements/2026-12-05-avx2-asyncps.md): 0.9 is 5.6 points
+        # below, 6 deviations even at three times that spread (below 1 in 10^8); one worker left is less stale.
         assert float(epochs[-1]["val_accuracy"]) >= 0.9
         assert "event epoch 2: 1 worker(s) lost; their steps ran again on the others" in \
             (tmp_path / "results" / "results.log").read_text()
@@ -138,20 +155,20 @@ def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path,
                              "--data", str(small_csv), "--batch-size", "32", "--verbose", "2", "--results", "results")
     start = cnnpar_command("cluster", "start", "--spec", str(spec))
     stop = cnnpar_command("cluster", "stop", "--spec", str(spec))
+    hold = tmp_path / "hold"
     try:
         subprocess.run(start, env=ENV, check=True, capture_output=True, timeout=120)
-        with processes([command], tmp_path, [ENV]) as (coordinator,):
-            wait_for_epoch_rows(results / f"{RUN}.csv", 1, coordinator)
-            wait_for_file(results / "checkpoints" / CHECKPOINT / "checkpoint", coordinator)  # epoch 1 is saved
+        with processes([command], tmp_path, [held(hold, 2)]) as (coordinator,):
+            # The run waits after epoch 2, before its checkpoint; epoch 1's was saved before epoch 2 began.
+            wait_for_epoch_rows(results / f"{RUN}.csv", 2, coordinator)
+            assert (results / "checkpoints" / CHECKPOINT / "checkpoint").exists()
             os.kill(json.loads(spec.read_text())["pids"]["ps"][0], signal.SIGKILL)
-            killed = time.monotonic()
+            release(hold)
             output = coordinator.communicate(timeout=120)[0]
-            waited = time.monotonic() - killed
         assert coordinator.returncode == 1, output[-3000:]
-        assert waited < 60
         checkpoint = f"results/checkpoints/{CHECKPOINT}"
-        lost = re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch [23]: its variables are gone; the "
-                         rf"checkpoint after epoch ([12]) is in {checkpoint}; restart the servers and rerun with "
+        lost = re.search(r"Error: lost ps:0 of the cluster \{.*\} in epoch 2: its variables are gone; the "
+                         rf"checkpoint after epoch (1) is in {checkpoint}; restart the servers and rerun with "
                          r"resume=True \(cnnpar train --resume\)", output)
         assert lost, output[-3000:]
         saved = int(lost.group(1))
@@ -186,12 +203,12 @@ def test_cluster_commands_refuse_to_overwrite_or_guess_a_spec(tmp_path):
     assert "none.json does not exist." in result.stderr
 
 
-def test_an_unreachable_cluster_fails_within_the_timeout():
-    spec = cluster.local_spec(workers=1, ps=1)  # free ports, no servers
+def test_an_unreachable_cluster_fails_once_its_timeout_has_passed():
+    spec = cluster.local_spec(workers=1, ps=1, ports=reserve_ports(2))  # no server listens on them
     started = time.monotonic()
     with pytest.raises(ConnectionError) as raised:
         cnnpar.AsyncPS(cluster=spec, timeout=2)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started >= 2  # it kept trying for its timeout; the message names it
     assert str(raised.value) == (f"cannot reach worker:0, ps:0 of the cluster {spec} within 2 s; start the servers "
                                  f"(cnnpar cluster start) or check the spec")
 
@@ -276,49 +293,63 @@ def test_cluster_serve_refuses_a_task_that_is_not_on_this_host(tmp_path, task, m
     assert message in " ".join(result.output.replace("│", " ").split())
 
 
-def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
-    # Epochs of 2,500 steps: killed mid-epoch, the coordinator writes nothing to its parent for many seconds,
-    # so only dying with it (not a broken pipe) ends it within the 5 s allowed.
-    script = ("import numpy as np, keras_cnnpar as cnnpar\n"
-              "model = cnnpar.models.cnn('2+2')\n"  # built first: the run goes to a coordinator process
-              "digits = cnnpar.data.load()\n"
-              "x, y = np.concatenate([digits.x] * 4), np.concatenate([digits.y] * 4)\n"
-              "model.fit(x, y, batch_size=8, epochs=50, strategy='async-ps', results_dir=None, verbose=0)\n")
+#: A user's script whose process keeps the coordinator's standard input open after it is killed: after epoch 1 a
+#: forked child takes a copy of every descriptor (and waits for signals), then the run waits there (``held``).
+PIPE_KEEPING_SCRIPT = """
+import os, signal, sys
+import keras, keras_cnnpar as cnnpar
 
+class ForkAPipeKeeper(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        keeper = os.fork()
+        while keeper == 0:
+            signal.pause()
+        with open(sys.argv[1], "w") as file:
+            file.write(str(keeper))
+
+model = cnnpar.models.cnn("2+2")  # built first: the run goes to a coordinator process
+digits = cnnpar.data.load()
+model.fit(digits.x[:640], digits.y[:640], batch_size=64, epochs=2, strategy="async-ps", results_dir="results",
+          verbose=0, callbacks=[ForkAPipeKeeper()])
+"""
+
+
+def test_a_killed_user_process_leaves_no_coordinator_process_behind(tmp_path):
+    """The coordinator waits for the user's answer after epoch 1, its standard input kept open by the user's
+    forked child: no end of input ever tells it, only its watch of its parent can end it."""
     def coordinators(pid):
         module = coordinator_module.__name__.encode()
         return [child for child in descendants(pid)
                 if module in Path(f"/proc/{child}/cmdline").read_bytes()] if alive(pid) else []
 
-    temporary = tmp_path / "tmp"
+    temporary, keeper_pid = tmp_path / "tmp", tmp_path / "keeper.pid"
     temporary.mkdir()
-    with processes([[sys.executable, "-c", script]], tmp_path, [{**ENV, "TMPDIR": str(temporary)}]) as (user,):
-        deadline = time.monotonic() + 120  # the coordinator starts its servers, then gets an epoch's batches
-        while not list(temporary.glob("cnnpar-async-*/train-*")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(2)  # and trains on them
-        children = descendants(user.pid)
-        assert coordinators(user.pid)
-        assert list(temporary.glob("cnnpar-async-*/train-*"))  # an epoch's batches are there
-        os.kill(user.pid, signal.SIGKILL)
-        user.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in children)  # the coordinator died with the process that started it
-    assert list(temporary.glob("cnnpar-async-*")) == []  # and removed its folder of batches
+    env = held(tmp_path / "hold", 1, env={**ENV, "TMPDIR": str(temporary)})
+    with processes([[sys.executable, "-c", PIPE_KEEPING_SCRIPT, str(keeper_pid)]], tmp_path, [env]) as (user,):
+        keeper = int(wait_until(lambda: keeper_pid.exists() and keeper_pid.read_text(), "epoch 1 to end", 300, user))
+        try:
+            children = [pid for pid in descendants(user.pid) if pid != keeper]
+            assert coordinators(user.pid)
+            os.kill(user.pid, signal.SIGKILL)
+            user.wait(timeout=30)
+            wait_until(lambda: not any(alive(pid) for pid in children),
+                       "the coordinator to end after the process that started it")
+        finally:
+            kill_tree(keeper)
+    assert list(temporary.glob("cnnpar-async-*")) == []  # and it removed its folder of batches
 
 
 def test_cluster_start_killed_while_starting_leaves_no_server_and_stop_cleans_up(tmp_path):
     spec = tmp_path / "cluster.json"
     with processes([cnnpar_command("cluster", "start", "--workers", "1", "--ps", "1", "--spec", str(spec))],
                    tmp_path, [ENV]) as (starter,):
-        deadline = time.monotonic() + 60
-        while not (spec.exists() and spec.stat().st_size) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        config = json.loads(spec.read_text())  # the servers are recorded before they are waited for
+        # The servers are recorded before they are waited for: stopped then, the starter can never tell them they
+        # are ready (TensorFlow takes a second or more to start in them, the wait here polls every 0.01 s).
+        wait_until(lambda: spec.exists() and spec.stat().st_size, f"the spec {spec}", 60, starter, poll=0.01)
+        os.kill(starter.pid, signal.SIGSTOP)
+        config = json.loads(spec.read_text())
         pids = [pid for job in config["pids"].values() for pid in job]
-        os.kill(starter.pid, signal.SIGKILL)  # before the servers are ready (TensorFlow takes seconds to start)
+        os.kill(starter.pid, signal.SIGKILL)
         left = still_alive_after(pids)
     assert left == [], f"servers {left} outlived the start that was killed"
     result = CliRunner().invoke(cli.main, ["cluster", "stop", "--spec", str(spec)])

@@ -10,6 +10,7 @@ from keras_cnnpar.keras_compat.precise_bn import PreciseBatchNorm
 from keras_cnnpar.plan.checks import NOISE_FACTOR, PARITY_TOLERANCE, GradientParityCheck
 from tests.helpers import (
     SYNCHRONIZED_STEP_TOLERANCE,
+    assert_same_step,
     build_residual_cnn,
     build_resnet,
     build_small_cnn,
@@ -20,20 +21,16 @@ from tests.helpers import (
 )
 
 
-def one_step(strategy, batch):
-    return one_sgd_step(build_residual_cnn(seed=3), strategy, batch)
-
-
 @pytest.fixture(scope="module")
 def single(batch):
-    return one_step("single", batch)
+    return one_sgd_step(build_residual_cnn(seed=3), "single", batch)
 
 
 def test_synchronized_batch_statistics_take_single_s_step(batch, single):
-    assert max_weight_difference(single, build_residual_cnn(seed=3)) > 1e-1
     assert cnnpar.DataParallel(2).sync_batchnorm  # the default
-    synchronized = one_step(cnnpar.DataParallel(2), batch)
-    assert max_weight_difference(single, synchronized) < SYNCHRONIZED_STEP_TOLERANCE  # moving statistics too
+    synchronized = one_sgd_step(build_residual_cnn(seed=3), cnnpar.DataParallel(2), batch)
+    assert_same_step(single, synchronized, SYNCHRONIZED_STEP_TOLERANCE, before=build_residual_cnn(seed=3),
+                     moved=1e-1)  # the moving statistics too
     assert max_difference(moving_statistics(single), moving_statistics(synchronized)) < 1e-6
 
 
@@ -61,7 +58,8 @@ def test_a_batchnormalization_inside_a_nested_block_is_synchronized_too(batch):
 
 def test_per_replica_statistics_differ_and_the_parity_check_says_why(batch, single, capsys):
     strategy = cnnpar.DataParallel(2, sync_batchnorm=False)
-    assert max_weight_difference(single, one_step(strategy, batch)) > 10 * SYNCHRONIZED_STEP_TOLERANCE
+    per_replica = one_sgd_step(build_residual_cnn(seed=3), strategy, batch)
+    assert max_weight_difference(single, per_replica) > 10 * SYNCHRONIZED_STEP_TOLERANCE
     check = GradientParityCheck(build_residual_cnn(seed=3), strategy, *batch)
     check.on_train_begin()
     assert check.verdict == "FAIL (expected: BatchNormalization per replica)"

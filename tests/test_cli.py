@@ -8,21 +8,25 @@ import click
 import pytest
 
 from keras_cnnpar import cli
+from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
 from keras_cnnpar.zoo import data
-from tests.helpers import BAD_TRAIN_FILES, ENV, cnnpar_command, processes, read_rows, tmpfs, write_lines
+from tests.helpers import (
+    BAD_TRAIN_FILES,
+    ENV,
+    cnnpar_command,
+    flock_waiters,
+    kaggle_head,
+    processes,
+    read_rows,
+    tmpfs,
+    wait_until,
+    write_lines,
+)
 from tests.helpers import run_cli as run
 
 RUN_NAME = "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev"
-
-
-@pytest.fixture(scope="module")
-def kaggle_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("kaggle")
-    result = run("data", "kaggle", "--out", folder)
-    assert result.exit_code == 0, result.output
-    return folder
 
 
 def test_data_kaggle_writes_train_and_unlabeled_test(kaggle_dir):
@@ -33,7 +37,7 @@ def test_data_kaggle_writes_train_and_unlabeled_test(kaggle_dir):
 
 
 def test_train_on_a_csv_writes_the_run_files_and_a_summary(kaggle_dir, tmp_path):
-    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:321])
+    small = kaggle_head(kaggle_dir / "train.csv", 320, tmp_path / "small.csv")
     results = tmp_path / "results"
     result = run("train", "--model", "3+3", "--strategy", "mirrored", "--devices", 2, "--epochs", 2,
                  "--data", small, "--results", results, "--verbose", 2)
@@ -161,6 +165,7 @@ def test_help_lists_every_command_and_option_in_its_sections():
     assert all(f"{e.alias}: {e.description}" in " ".join(train_help.split()) for e in registry.entries())
 
 
+@pytest.mark.slow  # a fresh Python process
 def test_help_does_not_start_tensorflow():
     probe = ("import sys; from keras_cnnpar import cli; from click.testing import CliRunner; "
              "[CliRunner().invoke(cli.main, [*args, '--help']) for args in ([], ['train'], ['sweep'])]; "
@@ -184,11 +189,10 @@ def test_a_mesh_is_read_as_data_by_model():
 
 @pytest.mark.slow
 def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_path):
-    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:161])
+    small = kaggle_head(kaggle_dir / "train.csv", 160, tmp_path / "small.csv")
     env = {key: value for key, value in ENV.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
-    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--epochs", "1", "--data", str(small),
-                             "--no-log", "--verbose", "0"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(cnnpar_command("train", "--epochs", "1", "--data", small, "--no-log", "--verbose", "0"),
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line[:5] in ("E0000", "I0000", "W0000")] == []
     assert "All log messages before absl::InitializeLog" not in result.stderr
@@ -225,11 +229,19 @@ def test_out_of_range_options_are_usage_errors(tmp_path, args, message):
 
 @pytest.mark.slow
 def test_two_concurrent_runs_of_one_configuration_each_keep_their_own_files(kaggle_dir, tmp_path):
-    small = write_lines(tmp_path / "small.csv", (kaggle_dir / "train.csv").read_text().splitlines()[:201])
+    """The runs overlap by construction: the test holds the lock of ``results.log`` until both runs wait for it
+    to log their start, so neither can end before both have begun."""
+    small = kaggle_head(kaggle_dir / "train.csv", 200, tmp_path / "small.csv")
     results = tmp_path / "results"
-    command = [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "single", "--epochs", "2",
-               "--data", str(small), "--results", str(results), "--verbose", "0"]
+    command = cnnpar_command("train", "--strategy", "single", "--epochs", "2", "--data", small, "--results", results,
+                             "--verbose", "0")
     with processes([command, command], tmp_path, [ENV, ENV]) as started:
+        def both_wait():
+            assert all(process.poll() is None for process in started), "a run ended before both had begun"
+            return {process.pid for process in started} <= flock_waiters(results / runs.RESULTS_LOG)
+
+        with runs.locked(results / runs.RESULTS_LOG):
+            wait_until(both_wait, "both runs to wait for the lock of results.log to log their start", timeout=300)
         outputs = [process.communicate(timeout=300)[0] for process in started]
     assert [process.returncode for process in started] == [0, 0], outputs
     lines = (results / "runs.csv").read_text().splitlines()
@@ -249,7 +261,18 @@ def test_two_concurrent_runs_of_one_configuration_each_keep_their_own_files(kagg
     for row in recorded:
         assert [line.split()[1] for line in log if line.endswith(f"[run {row['run_id']}]")] == \
             ["start", "machine", "epoch", "epoch", "end"]
-    assert run("report", "--results", results).exit_code == 0
+    report = run("report", "--results", results)
+    assert report.exit_code == 0, report.output
+    header, _, *rows = ([cell.strip() for cell in line.strip("|").split("|")]
+                        for line in report.output.splitlines() if line.startswith("|"))
+    assert header == experiments.SUMMARY_COLUMNS
+    (row,) = (dict(zip(header, cells)) for cells in rows)  # one configuration: its latest run, runs.csv's last row
+    last = recorded[-1]
+    # Figures of 10 and above print as whole numbers, smaller ones to 3 significant digits.
+    assert row == {**row, "model": last["model"], "strategy": "single", "devices": "1",
+                   "images_per_second": f"{float(last['images_per_second']):.0f}",
+                   "val_accuracy": f"{float(last['val_accuracy']):.3g}", "speedup": "1", "efficiency": "1",
+                   "parity": "n/a", "flag": ""}
 
 
 def test_the_command_line_given_to_each_worker_gives_it_every_parameter_of_the_launchers():

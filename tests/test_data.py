@@ -106,10 +106,9 @@ def test_a_byte_order_mark_and_blank_lines_at_the_end_are_fine(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def kaggle_train(tmp_path_factory):
-    """The Kaggle-format train.csv of the default data (4,000 digits), written once for the tests that alter it."""
-    train_path, _ = data.write_kaggle(tmp_path_factory.mktemp("kaggle"), test_fraction=0.2, seed=0)
-    return train_path
+def kaggle_train(kaggle_dir):
+    """The Kaggle-format train.csv of the default data (4,000 digits), for the tests that write altered copies."""
+    return kaggle_dir / "train.csv"
 
 
 def test_values_written_differently_read_as_the_plain_file_and_only_their_lines_are_read_one_by_one(

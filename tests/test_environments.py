@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -11,6 +10,7 @@ from click.testing import CliRunner
 from keras_cnnpar import cli
 from keras_cnnpar.cluster import environments
 from keras_cnnpar.cluster.environments import KubernetesIndexedJob, Slurm, TFConfig
+from tests.helpers import cnnpar_command
 
 #: Every variable that an environment reads, or that an assignment of GPUs writes.
 VARIABLES = ["TF_CONFIG", "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
@@ -206,10 +206,10 @@ def test_cnnpar_launch_outside_a_scheduler_needs_workers(environ):
            "this process)." in result.output
 
 
+@pytest.mark.slow  # a launcher process and the command it starts
 def test_cnnpar_launch_in_a_kubernetes_pod_runs_the_command_once_joining_at_import(environ):
     environ(**KUBERNETES)
-    command = [sys.executable, "-m", "keras_cnnpar.cli", "launch", "--", "python", "-c",
-               "import os; print(os.environ['CNNPAR_MULTI_WORKER'])"]
+    command = cnnpar_command("launch", "--", "python", "-c", "import os; print(os.environ['CNNPAR_MULTI_WORKER'])")
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "1\n"

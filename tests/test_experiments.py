@@ -4,7 +4,6 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -13,14 +12,15 @@ from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
 from tests.helpers import (
-    ENV,
-    HEADER,
     cnnpar_command,
     descendants,
+    held,
+    kaggle_head,
     processes,
     still_alive_after,
     suite_processes,
     wait_for_epoch_rows,
+    wait_until,
     write_lines,
 )
 from tests.helpers import read_rows as read
@@ -29,12 +29,9 @@ pytestmark = pytest.mark.slow  # sweeps of training processes: `pytest -m "not s
 
 
 @pytest.fixture(scope="module")
-def small_csv(tmp_path_factory, digits):
-    """200 digits (20 per class) in the Kaggle train.csv format."""
-    keep = np.concatenate([np.flatnonzero(digits.y == label)[:20] for label in range(10)])
-    pixels = np.rint(digits.x[keep].reshape(len(keep), -1) * 255).astype(int)
-    rows = [",".join(map(str, [label, *row])) for label, row in zip(digits.y[keep], pixels)]
-    return write_lines(tmp_path_factory.mktemp("data") / "train.csv", [HEADER, *rows])
+def small_csv(kaggle_dir, tmp_path_factory):
+    """200 digits in the Kaggle train.csv format (every class among them), so a sweep's runs stay short."""
+    return kaggle_head(kaggle_dir / "train.csv", 200, tmp_path_factory.mktemp("data") / "train.csv")
 
 
 def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, tmp_path):
@@ -69,9 +66,10 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     summary = read(results / "summary.csv")
     assert list(summary[0]) == experiments.SUMMARY_COLUMNS
     assert {r["parity"] for r in summary} == {"pass"}
-    # mirrored(2) on two logical devices of one 2-core CPU is below 80% efficiency: at least one row is flagged.
-    assert any(row["flag"] for row in summary)
-    for row in summary:  # flagged exactly when a multi-device run is below 80% efficiency, naming its largest share
+    # Flagged exactly when a multi-device run is below 80% efficiency, naming its largest share. Whether mirrored(2)
+    # is below it depends on the machine's cores (on 2 it is): the flag itself is checked on runs written by hand,
+    # test_report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_largest_share.
+    for row in summary:
         low = row["strategy"] != "single" and float(row["efficiency"]) < 0.8
         assert row["flag"].startswith("efficiency") == low, row
         if low:
@@ -113,17 +111,35 @@ def test_the_plan_runs_each_strategy_on_the_device_counts_it_declares():
         ["--workers", "4"]]
 
 
-def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started(tmp_path):
+def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started(tmp_path, monkeypatch):
+    """The configuration's workers wait after their first epoch (``held``) and are never let go: only the timeout
+    ends the run, however fast the machine. Its results go to the test's folder."""
+    for name, value in held(tmp_path / "hold", 1, env={}).items():
+        monkeypatch.setenv(name, value)  # the configuration's process inherits this process's environment
     started = time.monotonic()
-    # Results in the test's folder: since the launcher starts its workers at once, they write there within 8 s.
-    code, tail = experiments.run_config(experiments.Config("2+2", "multi-worker", 2), epochs=1, batch_size=64,
+    code, tail = experiments.run_config(experiments.Config("2+2", "multi-worker", 2), epochs=2, batch_size=64,
                                         source="mnist-5k", results_dir=str(tmp_path / "results"), timeout=8)
     assert (code, tail) == (-1, "timed out after 8 s")
-    assert time.monotonic() - started < 8 + 20
-    deadline = time.monotonic() + 10
-    while (left := suite_processes()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == []  # the launcher and both of its workers are gone
+    assert time.monotonic() - started >= 8  # not before its time
+    wait_until(lambda: not suite_processes(), "the launcher and both of its workers to end", 30)
+
+
+def test_report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_largest_share(tmp_path):
+    same = {"model": "m", "global_batch": "64", "epochs": "1", "val_accuracy": "0.9", "precision": "float32",
+            "data": "d", "machine": "x"}
+    split = {"compute_share": "0.3", "communication_share": "0.6", "input_share": "0.0", "idle_share": "0.1"}
+    recorded = [{**same, "strategy": "single", "devices": "1", "images_per_second": "1000"},
+                {**same, **split, "strategy": "mirrored", "devices": "2", "images_per_second": "800"},
+                {**same, **split, "strategy": "channels", "devices": "2", "images_per_second": "1700"}]
+    for row in recorded:
+        row["epoch_csv"] = runs.run_file_name("m", row["strategy"], int(row["devices"]))
+        write_lines(tmp_path / row["epoch_csv"], ["epoch,val_accuracy", "1,0.9"])
+    (tmp_path / "runs.csv").write_text(runs.csv_text(runs.RUNS_COLUMNS, recorded))
+    rows, _ = experiments.write_report(tmp_path)
+    assert {r["strategy"]: (r["efficiency"], r["flag"]) for r in rows} == {
+        "single": (1.0, ""), "channels": (0.85, ""),
+        "mirrored": (0.4, "efficiency 40% < 80%: communication takes 60% of the devices' time: sync less often "
+                          "(accumulate) or fewer devices")}
 
 
 def test_report_flags_a_failed_parity_check(tmp_path):
@@ -131,7 +147,8 @@ def test_report_flags_a_failed_parity_check(tmp_path):
     write_lines(tmp_path / epoch_csv, ["epoch,grad_parity_verdict,grad_parity_max_abs_diff,val_accuracy",
                                        "1,FAIL,0.02,0.9"])
     columns = ",".join(runs.RUNS_COLUMNS)
-    write_lines(tmp_path / "runs.csv", [columns, f"t,m,mirrored,2,64,1,,,,0.9,1,200,1.9,0.95,{epoch_csv}"])
+    values = f"t,m,mirrored,2,64,1,,,,0.9,1,200,1.9,0.95,{epoch_csv}"
+    write_lines(tmp_path / "runs.csv", [columns, values + "," * (len(runs.RUNS_COLUMNS) - 15)])  # a value per column
     rows, _ = experiments.write_report(tmp_path)
     assert [(r["parity"], r["flag"]) for r in rows] == [("FAIL", "gradient parity FAILED: a bug, not noise")]
 
@@ -139,8 +156,8 @@ def test_report_flags_a_failed_parity_check(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
 def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, small_csv, sig):
     command = cnnpar_command("sweep", "--models", "2+2", "--strategies", "single", "--devices", "1", "--epochs",
-                             "100", "--data", str(small_csv), "--results", str(tmp_path / "results"))
-    with processes([command], tmp_path, [ENV]) as (sweep,):
+                             "2", "--data", str(small_csv), "--results", str(tmp_path / "results"))
+    with processes([command], tmp_path, [held(tmp_path / "hold", 1)]) as (sweep,):  # it waits after epoch 1
         epoch_csv = tmp_path / "results" / "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv"
         wait_for_epoch_rows(epoch_csv, 1, sweep)  # the configuration trains
         training = descendants(sweep.pid)

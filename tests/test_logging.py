@@ -1,10 +1,11 @@
+import concurrent.futures
 import csv
 import logging
+import os
 import re
 import statistics
 import subprocess
 import sys
-import time
 
 import keras
 import pytest
@@ -14,7 +15,7 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import callbacks, checkpoints, runs
 from keras_cnnpar.runtime import atomic
-from tests.helpers import ENV, documented_runs_columns, fill, tmpfs
+from tests.helpers import ENV, cnnpar_command, documented_runs_columns, fill, flock_waiters, tmpfs, wait_until
 from tests.helpers import read_rows as read
 
 EPOCH_COLUMNS = ["epoch", "accuracy", "devices", "epoch_seconds", "global_batch", "images_per_second", "loss",
@@ -163,8 +164,8 @@ def test_runs_csv_and_the_sweep_summary_agree_on_speedup(small_cnn, tmp_path, tr
 
 @pytest.mark.slow
 def test_no_log_writes_no_file_at_all(tmp_path, small_csv):
-    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--no-log", "--epochs", "1",
-                             "--strategy", "async-ps", "--model", "3+3", "--data", str(small_csv), "--verbose", "0"],
+    result = subprocess.run(cnnpar_command("train", "--no-log", "--epochs", "1", "--strategy", "async-ps", "--model",
+                                           "3+3", "--data", small_csv, "--verbose", "0"),
                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.rglob("*")) == []
@@ -332,12 +333,15 @@ HOLDER = """
 import sys, time
 from pathlib import Path
 from keras_cnnpar import runs
-path, ready, line = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+path, ready, go, line = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
 with runs.locked(path) as file:
     file.write(line[:len(line) // 2])
     file.flush()
     ready.touch()
-    time.sleep(1.0)  # holds the lock mid-line
+    deadline = time.monotonic() + 120
+    while not go.exists():  # holds the lock mid-line until the test's append waits for it
+        assert time.monotonic() < deadline, f"the holder: no {go} within 120 s"
+        time.sleep(0.01)
     file.write(line[len(line) // 2:] + "\\n")
 """
 APPENDERS = {
@@ -347,17 +351,25 @@ APPENDERS = {
 }
 
 
+@pytest.mark.slow  # the holder is a process of its own
 @pytest.mark.parametrize("name", sorted(APPENDERS))
 def test_an_append_waits_for_a_writer_that_holds_the_file_mid_line(tmp_path, name):
+    """The holder keeps the file locked, half its line written, until the append is seen waiting for the lock."""
     first_line, append = APPENDERS[name]
-    ready = tmp_path / "ready"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), str(ready), first_line], env=ENV)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), str(ready), str(go), first_line],
+                              env=ENV)
     try:
-        while not ready.exists():
-            assert holder.poll() is None, "the holder failed"
-            time.sleep(0.01)
-        append(tmp_path)  # must wait until the holder's line is whole
+        wait_until(ready.exists, "the holder to lock the file with half its line written", process=holder)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            appended = pool.submit(append, tmp_path)
+            wait_until(lambda: appended.done() or os.getpid() in flock_waiters(tmp_path / name),
+                       "the append to wait for the lock")
+            assert not appended.done(), "the append did not wait for the holder's lock"
+            go.touch()  # the holder completes its line and unlocks
+            appended.result(timeout=60)
     finally:
+        go.touch()
         holder.wait(timeout=30)
     lines = (tmp_path / name).read_text().splitlines()
     assert lines[0] == first_line and len(lines) == 2

@@ -4,6 +4,7 @@ import pytest
 import keras_cnnpar as cnnpar
 from keras_cnnpar.results import runs
 from keras_cnnpar.zoo import models
+from tests.helpers import assert_same_step
 
 
 @pytest.mark.parametrize("kind, parameters, name", [
@@ -55,9 +56,16 @@ def test_parallel_rejects_what_is_not_a_keras_model():
 
 def test_fit_without_strategy_is_plain_keras_fit_and_writes_no_logs(few_digits, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    x, y = few_digits[0][:128], few_digits[1][:128]
+    keras.utils.set_random_seed(0)
     model = models.cnn("3+3")
-    history = model.fit(few_digits[0][:128], few_digits[1][:128], batch_size=64, epochs=1, verbose=0)
-    assert history.epoch == [0]
+    before = model.get_weights()
+    history = model.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(0)
+    keras_model = models.cnn("3+3")
+    expected = keras.Model.fit(keras_model, x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    assert history.epoch == [0] and history.history == pytest.approx(expected.history, rel=1e-6)
+    assert_same_step(keras_model, model, 1e-6, before=before)  # the same dropout masks: Keras's own steps
     assert list(tmp_path.iterdir()) == []
 
 

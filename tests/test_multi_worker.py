@@ -3,6 +3,7 @@
 Every test bounds its processes' time and kills whatever it started.
 """
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -26,14 +27,20 @@ from keras_cnnpar.runtime import hardware
 from tests.helpers import (
     ENV,
     FLOORS,
+    assert_same_step,
     build_resnet_float64,
     build_small_cnn,
+    cnnpar_command,
     descendants,
     epoch_column,
+    held,
+    listening_sockets,
     loads_tensorflow,
     max_difference,
     processes,
     read_rows,
+    release,
+    reserve_ports,
     still_alive_after,
     wait_for_epoch_rows,
     worker_envs,
@@ -63,7 +70,7 @@ def job(tmp_path_factory):
 
 
 def cnnpar_train(*args):
-    return [sys.executable, "-m", "keras_cnnpar.cli", "train", "--strategy", "multi-worker", "--verbose", "2", *args]
+    return cnnpar_command("train", "--strategy", "multi-worker", "--verbose", "2", *args)
 
 
 @pytest.mark.parametrize("mode, builder, reference_strategy, tolerance", [
@@ -79,9 +86,8 @@ def test_one_sgd_step_matches_one_device(job, digits, mode, builder, reference_s
                batch_size=64, epochs=1, shuffle=False, verbose=0, results_dir=None)
     chief, other = ([arrays[f"arr_{i}"] for i in range(len(arrays.files))]
                     for arrays in (np.load(f"{out}.{i}.npz") for i in (0, 1)))
-    assert max_difference(chief, reference.get_weights()) < tolerance  # the moving statistics included
+    assert_same_step(reference, chief, tolerance, before=builder(seed=1))  # the moving statistics included
     assert max_difference(chief, other) == 0.0
-    assert max_difference(chief, builder(seed=1).get_weights()) > 1e-3
 
 
 def test_each_worker_gets_a_different_slice_of_every_batch(job):
@@ -110,6 +116,10 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path):
         [f"{RUN_3_PLUS_3}.csv", f"{RUN_3_PLUS_3}.weights.h5", "results.log", "runs", "runs.csv"]
     assert epoch_column(tmp_path / "results" / f"{RUN_3_PLUS_3}.csv") == [1, 2, 3]
     (run,) = read_rows(tmp_path / "results" / "runs.csv")  # one row: worker 1 wrote none
+    # MultiWorker's steps are Single's (test_one_sgd_step_matches_one_device), seeded: the 3+3 under Single read
+    # 0.954 (docs/sweep/, float32), 3.4 points above the floor. Even the spread between seeds (0.946-0.970, standard
+    # deviation 1.0 point, docs/measurements/2026-12-05-avx2-asyncps.md) puts the floor 4 deviations below the
+    # seeds' mean (1 in 30,000); between runs of one seed only rounding (bfloat16, the all-reduce's order) varies.
     assert float(run["val_accuracy"]) >= FLOORS["3+3"], run
     assert run["devices"] == "2"
     text = (tmp_path / "results" / "results.log").read_text()
@@ -124,7 +134,8 @@ def test_local_workers_train_to_the_floor_and_only_the_chief_writes(tmp_path):
 def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
     """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes).
     The launcher gets SIGHUP (a closed terminal), which it passes on as SIGTERM, as it does SIGTERM and
-    SIGINT (one handler for the three); worker 1 gets SIGTERM itself."""
+    SIGINT (one handler for the three); worker 1 gets SIGTERM itself. The workers wait after epoch 1
+    (``held``) until the signal reaches them, so 3 epochs are still to come when it does, on any machine."""
     results = tmp_path / "results"
     # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
@@ -132,13 +143,17 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     another_run.mkdir(parents=True)
     command = cnnpar_train("--workers", "2", "--epochs", "4", "--data", str(small_csv), "--results", "results",
                            *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
-    with processes([command], tmp_path, [ENV]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; 3 more (seconds) are to come
+    hold = tmp_path / "hold"
+    with processes([command], tmp_path, [held(hold, 1)]) as (launcher,):
+        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; the workers wait after it
         # Only the workers import TensorFlow: the launcher and its supervisor wait on them (it cost 5 CPU-s a run).
         worker_pids = {worker_pid(launcher, 0), worker_pid(launcher, 1)}
         assert {pid for pid in [launcher.pid, *descendants(launcher.pid)] if loads_tensorflow(pid)} == worker_pids
-        os.kill(*((launcher.pid, signal.SIGHUP) if target == "launcher" else (worker_pid(launcher, 1),
-                                                                          signal.SIGTERM)))
+        if target == "launcher":
+            os.kill(launcher.pid, signal.SIGHUP)  # each worker's SIGTERM ends its wait
+        else:
+            os.kill(worker_pid(launcher, 1), signal.SIGTERM)  # pending in worker 1 before worker 0 goes on
+            release(hold)
         output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
@@ -149,6 +164,7 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     assert another_run.is_dir()  # and no other run's folder went with it
     another_run.parent.rename(tmp_path / "kept")
     done = epoch_column(results / f"{RUN}.csv")
+    assert done == [1]  # preempted in epoch 2: the run waited after epoch 1 until the signal came
 
     workers = "1" if target == "launcher" else "3"
     resume = [*command[:command.index("--workers") + 1], workers, *command[command.index("--workers") + 2:]]
@@ -219,7 +235,7 @@ def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
     from keras_cnnpar.strategies import multi_worker
 
     with socket.create_server(("localhost", 0)) as listening:
-        live, (dead,) = f"localhost:{listening.getsockname()[1]}", network.free_ports(1)
+        live, (dead,) = f"localhost:{listening.getsockname()[1]}", reserve_ports(1)  # nothing listens there
         task = cluster_lib.Task({"worker": [live, f"localhost:{dead}", live]}, "worker", 0)
         assert multi_worker._lost_peers(task, "Collective has timed out during execution.") == \
             ["/job:worker/replica:0/task:1"]
@@ -228,27 +244,32 @@ def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
 
 
 def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path, small_csv):
-    command = cnnpar_train("--epochs", "20", "--data", str(small_csv), "--results", "results",
+    """Both workers wait after epoch 1 (``held``); worker 1 is killed there, and the chief's next step needs it.
+    Its time to fail is measured against the collective timeout plus twice its own first epoch, a machine's pace."""
+    command = cnnpar_train("--epochs", "2", "--data", str(small_csv), "--results", "results",
                            "--collective-timeout", "15")
-    with processes([command] * 2, tmp_path, worker_envs()) as (chief, other):
+    hold = tmp_path / "hold"
+    with processes([command] * 2, tmp_path, worker_envs(env=held(hold, 1))) as (chief, other):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, chief)
         other.kill()
-        killed = time.monotonic()
-        output = chief.communicate(timeout=60)[0]
-        waited = time.monotonic() - killed
+        other.wait()
+        release(hold)
+        released = time.monotonic()
+        output = chief.communicate(timeout=120)[0]
+        waited = time.monotonic() - released
     assert chief.returncode == 1
-    assert waited < 15 + 30  # the collective timeout, plus a margin that a loaded 2-core machine meets
+    (epoch,) = read_rows(tmp_path / "results" / f"{RUN}.csv")
+    assert waited < 15 + 2 * float(epoch["epoch_seconds"]), (waited, epoch["epoch_seconds"])
     assert "Error: worker 0: training stopped because a peer failed or did not answer within timeout=15.0 s; " \
            "lost: /job:worker/replica:0/task:1." in output
 
 
 def test_a_cluster_that_does_not_assemble_fails_within_the_timeout(tmp_path):
+    """The message is the 5 s timeout's own (TensorFlow's "Timeout (0:00:05)!"): no wall clock is needed."""
     lone_chief = worker_envs()[0]
-    started = time.monotonic()
     result = subprocess.run(cnnpar_train("--results", "results", "--collective-timeout", "5"), cwd=tmp_path,
                             env=lone_chief, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert time.monotonic() - started < 60
     assert "worker 0: joining the cluster {'worker': [" in result.stderr
     assert "]}; the process exits if it has not assembled within timeout=5.0 s" in result.stderr
     assert "Timeout (0:00:05)!" in result.stderr
@@ -257,18 +278,12 @@ def test_a_cluster_that_does_not_assemble_fails_within_the_timeout(tmp_path):
 
 def listening_ports(net_folder):
     """The TCP ports in LISTEN state in a ``/proc/.../net`` folder (one network namespace's view)."""
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in (net_folder / table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A":
-                ports.add(int(fields[1].rpartition(":")[2], 16))
-    return ports
+    return {port for port, _ in listening_sockets(net_folder)}
 
 
 def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_a_dead_worker(tmp_path, small_csv):
-    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
-    with processes([command], tmp_path, [ENV]) as (launcher,):
+    command = cnnpar_train("--workers", "2", "--epochs", "2", "--data", str(small_csv), "--results", "results")
+    with processes([command], tmp_path, [held(tmp_path / "hold", 1)]) as (launcher,):  # they wait after epoch 1
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
         worker = worker_pid(launcher, 1)
         environ = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
@@ -287,14 +302,19 @@ def test_the_workers_servers_listen_in_a_private_network_and_the_launcher_names_
 
 
 def test_the_launcher_names_the_worker_that_ended_first_not_the_lowest_index():
-    """Worker 1 is killed; worker 0 fails on the lost connection 0.2 s later, within one poll of the launcher
-    (here 2 s). A poll that saw both gone named worker 0, whose error only echoes worker 1's death (it happened
-    once in the suite, under load)."""
-    started = time.monotonic()
-    workers = [subprocess.Popen(["sh", "-c", "sleep 0.5; exit 1"]),
-               subprocess.Popen(["sh", "-c", "sleep 0.3; kill -9 $$"])]
-    assert local_workers._wait_for_failure(workers, poll_seconds=2.0) == 1
-    assert time.monotonic() - started < 1.5  # told at the first failure, not at the next poll
+    """Worker 1 is killed; worker 0 fails on the lost connection a moment later, within one poll of the launcher.
+    A poll that saw both gone named worker 0, whose error only echoes worker 1's death (it happened once in the
+    suite, under load). The launcher polls once an hour here: it is told of worker 1's end by its waiting thread
+    before worker 0 ends (each reads its standard input until the test closes it)."""
+    workers = [subprocess.Popen(["sh", "-c", "read line; exit 1"], stdin=subprocess.PIPE),
+               subprocess.Popen(["sh", "-c", "read line"], stdin=subprocess.PIPE)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        failed = pool.submit(local_workers._wait_for_failure, workers, poll_seconds=3600)
+        try:
+            workers[1].kill()
+            assert failed.result(timeout=60) == 1  # told at the first failure, not at the next poll
+        finally:
+            workers[0].stdin.close()  # worker 0 ends (and the wait with it, had it missed worker 1)
     assert [worker.wait() for worker in workers] == [1, -signal.SIGKILL]
 
 
@@ -354,9 +374,9 @@ def test_bad_cluster_settings_exit_2_before_training(monkeypatch, tmp_path, args
 
 @contextlib.contextmanager
 def training_workers(tmp_path, small_csv, env=ENV):
-    """A launcher of 2 local workers with a long run ahead, once their first epoch is done; and their pids."""
-    command = cnnpar_train("--workers", "2", "--epochs", "200", "--data", str(small_csv), "--results", "results")
-    with processes([command], tmp_path, [env]) as (launcher,):
+    """A launcher of 2 local workers that wait after their first epoch (``held``), once it is done; and their pids."""
+    command = cnnpar_train("--workers", "2", "--epochs", "2", "--data", str(small_csv), "--results", "results")
+    with processes([command], tmp_path, [held(tmp_path / "hold", 1, env=env)]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{RUN}.csv", 1, launcher)
         yield launcher, [worker_pid(launcher, index) for index in (0, 1)]
 
@@ -380,8 +400,8 @@ LAUNCHED = "launched_cnn_keras_tensorflow_multi-worker_2dev"
 
 
 def cnnpar_launch(*script_args):
-    return [sys.executable, "-m", "keras_cnnpar.cli", "launch", "--workers", "2", "--", "python", str(EXAMPLE),
-            "--examples", "640", "--results", "results", *script_args]
+    return cnnpar_command("launch", "--workers", "2", "--", "python", EXAMPLE, "--examples", "640", "--results",
+                          "results", *script_args)
 
 
 def test_launch_runs_a_users_script_that_builds_its_model_first_and_only_the_chief_writes(tmp_path):
@@ -407,9 +427,8 @@ def test_launch_runs_a_users_script_that_builds_its_model_first_and_only_the_chi
 @pytest.mark.parametrize("network_kind", ["private", "host"])
 def test_launch_says_which_network_the_workers_have_and_host_gives_them_this_machines(tmp_path, network_kind):
     show = "import os; print('network', os.readlink('/proc/self/ns/net'))"
-    result = subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "launch", "--workers", "1", "--network",
-                             network_kind, "--", "python", "-c", show], cwd=tmp_path, env=ENV, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(cnnpar_command("launch", "--workers", "1", "--network", network_kind, "--", "python", "-c",
+                                           show), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     (worker_network,) = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("network ")]
     first = result.stderr.splitlines()[0]
@@ -423,13 +442,13 @@ def test_launch_says_which_network_the_workers_have_and_host_gives_them_this_mac
         assert first == local_workers.NETWORK_LINES["host"].format(workers=1)
 
 
-def test_launch_names_a_killed_worker_within_a_minute(tmp_path):
-    with processes([cnnpar_launch("--epochs", "200")], tmp_path, [ENV]) as (launcher,):
+def test_launch_names_a_killed_worker(tmp_path):
+    """The workers wait after epoch 1 (``held``) and are never let go: only the kill ends the run."""
+    with processes([cnnpar_launch("--epochs", "2")], tmp_path, [held(tmp_path / "hold", 1)]) as (launcher,):
         wait_for_epoch_rows(tmp_path / "results" / f"{LAUNCHED}.csv", 1, launcher)
         os.kill(worker_pid(launcher, 1), signal.SIGKILL)
-        killed = time.monotonic()
         output = launcher.communicate(timeout=90)[0]
-    assert launcher.returncode == 1 and time.monotonic() - killed < 60
+    assert launcher.returncode == 1
     assert "Error: worker 1 was killed by SIGKILL; its last output:" in output
 
 

@@ -7,7 +7,14 @@ import pytest
 import keras_cnnpar as cnnpar
 from keras_cnnpar.keras_compat import rebuild
 from keras_cnnpar.strategies import RunSettings
-from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weight_difference, one_sgd_step
+from tests.helpers import (
+    IN_PROCESS,
+    assert_same_step,
+    build_small_cnn,
+    max_difference,
+    max_weight_difference,
+    one_sgd_step,
+)
 
 #: bfloat16 keeps 8 significant bits: every product and partial sum is rounded to about 0.4%, and two strategies
 #: round in different places (a convolution as im2col matmul, a gradient summed over replicas). Through the
@@ -16,26 +23,20 @@ from tests.helpers import IN_PROCESS, build_small_cnn, max_difference, max_weigh
 BF16_STEP_TOLERANCE = 0.10
 
 
-def one_step(strategy, precision, batch, seed=1):
-    return one_sgd_step(build_small_cnn(seed=seed), strategy, batch, precision=precision)
-
-
 @pytest.fixture(scope="module")
 def single_bf16(batch):
-    return one_step("single", "mixed_bfloat16", batch)
+    return one_sgd_step(build_small_cnn(seed=1), "single", batch, precision="mixed_bfloat16")
 
 
 @pytest.mark.parametrize("strategy", [cnnpar.LayerPlacement(2, microbatches=2) if alias == "layers" else alias
                                       for alias in IN_PROCESS if alias != "single"], ids=str)
 def test_one_bfloat16_step_matches_bfloat16_single(strategy, batch, single_bf16):
-    step = max_weight_difference(single_bf16, build_small_cnn(seed=1))
-    assert step > 1e-3  # the step moved the weights
-    assert max_weight_difference(single_bf16, one_step(strategy, "mixed_bfloat16", batch)) <= \
-        BF16_STEP_TOLERANCE * step
+    stepped = one_sgd_step(build_small_cnn(seed=1), strategy, batch, precision="mixed_bfloat16")
+    assert_same_step(single_bf16, stepped, BF16_STEP_TOLERANCE, before=build_small_cnn(seed=1), relative=True)
 
 
 def test_bfloat16_is_not_float32_and_the_users_model_stays_float32(batch, single_bf16):
-    single = one_step("single", "float32", batch)
+    single = one_sgd_step(build_small_cnn(seed=1), "single", batch)
     assert max_weight_difference(single, single_bf16) > 1e-6  # the step really computed in bfloat16
     assert {layer.dtype_policy.name for layer in single_bf16.layers} == {"float32"}
     assert {w.dtype for w in single_bf16.weights} == {"float32"}
@@ -63,7 +64,7 @@ def test_float16_scales_the_loss_and_hands_back_the_inner_optimizers_state(batch
 
 def test_tensor_parallel_refuses_float16_saying_what_works(batch):
     with pytest.raises(ValueError) as raised:
-        one_step(cnnpar.ChannelSharded(2), "mixed_float16", batch)
+        one_sgd_step(build_small_cnn(seed=1), cnnpar.ChannelSharded(2), batch, precision="mixed_float16")
     assert str(raised.value) == (
         "tensor-parallel training computes in float32 or bfloat16; its mesh optimizer has no loss scaling, which "
         "float16 needs. Use precision='mixed_bfloat16' (or build the model under that policy). Received: "
@@ -92,6 +93,6 @@ def test_tensor_parallel_refuses_a_model_built_under_the_float16_policy_by_its_l
 
 def test_an_unknown_precision_lists_the_valid_ones(batch):
     with pytest.raises(ValueError) as raised:
-        one_step("single", "bfloat16", batch)
+        one_sgd_step(build_small_cnn(seed=1), "single", batch, precision="bfloat16")
     assert str(raised.value) == ("precision must be one of ['float32', 'mixed_bfloat16', 'mixed_float16', 'auto']. "
                                  "Received: precision='bfloat16'")

@@ -1,16 +1,25 @@
 """The resnet model kind (functional, BatchNormalization, residual adds) under every in-process strategy."""
 
-import re
+import collections
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import serving
-from keras_cnnpar.results import runs
 from keras_cnnpar.zoo.names import MODEL_NAMES
-from tests.helpers import build_resnet, max_difference, max_weight_difference, moving_statistics, one_sgd_step
+from tests.helpers import (
+    assert_same_step,
+    build_resnet,
+    build_resnet_float64,
+    max_difference,
+    max_weight_difference,
+    moving_statistics,
+    one_sgd_step,
+)
 
 #: One SGD step from the same weights, in float64, against Single's (the moving statistics included).
 STEP_PARITY = [
@@ -21,13 +30,9 @@ STEP_PARITY = [
 ]
 
 
-def one_step(strategy, batch, dtype="float64"):
-    return one_sgd_step(build_resnet(seed=3, dtype=dtype), strategy, batch)
-
-
 @pytest.fixture(scope="module")
 def single(batch):
-    return one_step("single", batch)
+    return one_sgd_step(build_resnet_float64(seed=3), "single", batch)
 
 
 def test_the_resnet_is_functional_with_batch_normalization_and_residual_adds():
@@ -43,15 +48,14 @@ def test_the_resnet_is_functional_with_batch_normalization_and_residual_adds():
 
 @pytest.mark.parametrize("strategy, tolerance", STEP_PARITY, ids=lambda p: repr(p) if not isinstance(p, float) else "")
 def test_one_sgd_step_matches_single(strategy, tolerance, batch, single):
-    assert max_weight_difference(single, build_resnet(seed=3, dtype="float64")) > 1e-2  # the step moved the weights
-    stepped = one_step(strategy, batch)
-    assert max_weight_difference(single, stepped) < tolerance
+    stepped = one_sgd_step(build_resnet_float64(seed=3), strategy, batch)
+    assert_same_step(single, stepped, tolerance, before=build_resnet_float64(seed=3), moved=1e-2)
     assert max_difference(moving_statistics(single), moving_statistics(stepped)) < tolerance
 
 
 def test_per_replica_statistics_on_the_mesh_take_data_parallel_s_step(batch, single):
-    hybrid = one_step(cnnpar.Hybrid(data=2, model=2, sync_batchnorm=False), batch)
-    data_parallel = one_step(cnnpar.DataParallel(2, sync_batchnorm=False), batch)
+    hybrid = one_sgd_step(build_resnet_float64(seed=3), cnnpar.Hybrid(data=2, model=2, sync_batchnorm=False), batch)
+    data_parallel = one_sgd_step(build_resnet_float64(seed=3), cnnpar.DataParallel(2, sync_batchnorm=False), batch)
     assert max_weight_difference(hybrid, single) > 1e-3
     assert max_difference(hybrid.trainable_weights, data_parallel.trainable_weights) < 1e-5
     # The moving statistics take the mean of the replicas' batch statistics. For the stem's BatchNormalization,
@@ -68,23 +72,27 @@ def test_per_replica_statistics_on_the_mesh_take_data_parallel_s_step(batch, sin
 def test_in_float32_a_split_batch_rounds_as_single_s_own_float32_step_does(batch, single):
     """The float32 story behind the float64 parity: a synchronized split batch lands about as far from Single's
     float32 step as that step is from the exact (float64) one (within twice that)."""
-    single32 = one_step("single", batch, dtype="float32")
+    single32 = one_sgd_step(build_resnet(seed=3), "single", batch)
     float32_error = max_weight_difference(single32, single)
     assert 1e-5 < float32_error < 1e-3  # 1.8e-4 measured: the BN gradient of a conv cancels heavily
     for strategy in (cnnpar.DataParallel(2), cnnpar.Hybrid(data=2, model=2)):
-        assert max_weight_difference(one_step(strategy, batch, dtype="float32"), single32) < 2 * float32_error
+        assert max_weight_difference(one_sgd_step(build_resnet(seed=3), strategy, batch), single32) < 2 * float32_error
 
 
-def test_channel_sharding_holds_half_the_parameter_bytes_per_device(few_digits, tmp_path):
+def test_channel_sharding_holds_half_the_parameter_bytes_per_device():
+    """The bytes each device really holds: the parts of the sharded model's variables placed on it."""
     model = cnnpar.models.cnn("resnet")
     single_bytes = sum(w.numpy().nbytes for w in model.weights)  # what Single holds on its one device
-    model.fit(few_digits[0][:64], few_digits[1][:64], batch_size=64, verbose=0, results_dir=tmp_path,
-              strategy=cnnpar.ChannelSharded(2))
-    figures = re.search(r"parameters: ([\d,]+) bytes in all, ([\d,]+) bytes per device",
-                        (tmp_path / runs.RESULTS_LOG).read_text())
-    total, per_device = (int(figure.replace(",", "")) for figure in figures.groups())
-    assert total == single_bytes == 313_704
-    assert abs(per_device - single_bytes / 2) <= 0.1 * single_bytes / 2
+    sharded = cnnpar.sharded.ShardedModel(model, cnnpar.ChannelSharded(2).mesh())
+    held = collections.Counter()
+    for variable in sharded.weights:
+        for part in dtensor.unpack(variable.read_value()):
+            held[tf.DeviceSpec.from_string(part.device).device_index] += part.numpy().nbytes
+    # Whole on both devices: the 9 BatchNormalizations' 4 vectors of 16+16+16+32+32+32+64+64+64 = 336 channels
+    # (336 * 4 * 4 = 5,376 bytes) and the last Dense's bias (10 * 4 = 40, added after its row-mode sum); the
+    # convolutions' and the Dense's other weights, 313,704 - 5,416 = 308,288 bytes, are halved.
+    assert single_bytes == 313_704
+    assert dict(held) == {0: 5_416 + 308_288 // 2, 1: 5_416 + 308_288 // 2}  # 159,560: 50.9% of Single's
 
 
 @pytest.mark.slow

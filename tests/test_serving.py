@@ -6,6 +6,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import serving
+from tests.helpers import kaggle_head
 from tests.helpers import run_cli as run
 
 pytestmark = pytest.mark.slow  # exports verified in fresh TensorFlow processes: `pytest -m "not slow"` leaves them out
@@ -47,7 +48,7 @@ def test_export_after_each_strategy_matches_in_a_fresh_tensorflow_process(traine
     np.testing.assert_array_equal(served["class"], expected.argmax(axis=1))
 
 
-def test_saved_model_cli_shows_the_signature_and_runs_it(exported, tmp_path):
+def test_saved_model_cli_shows_the_signature_and_runs_it(exported, trained, tmp_path):
     _, target = exported
     shown = subprocess.run(["saved_model_cli", "show", "--all", "--dir", str(target)], capture_output=True,
                            text=True, timeout=120).stdout
@@ -60,8 +61,9 @@ def test_saved_model_cli_shows_the_signature_and_runs_it(exported, tmp_path):
                     "serving_default", "--inputs", f"pixels={tmp_path / 'sample.npy'}", "--outdir",
                     str(tmp_path / "out")], capture_output=True, timeout=120, check=True)
     probabilities = np.load(tmp_path / "out" / "probabilities.npy")
-    assert probabilities.shape == (5, 10)
-    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    expected = trained["single"].predict(serving.sample_pixels()[:5].reshape(-1, 28, 28, 1) / 255.0, verbose=0)
+    assert probabilities.shape == (5, 10) and np.max(np.abs(probabilities - expected)) < 1e-5
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "class.npy"), expected.argmax(axis=1))
 
 
 def test_a_second_export_of_a_version_needs_force_and_keeps_the_first(exported, trained):
@@ -98,13 +100,11 @@ def test_a_mismatching_export_is_removed_and_fails(trained, tmp_path, monkeypatc
     with pytest.raises(serving.ExportError, match=r"differ from the model's by 0.001 \(tolerance 1e-05\); "
                                                   r"nothing was written"):
         serving.export(trained["single"], tmp_path / "digits")
-    assert list((tmp_path / "digits").iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # nor the base folder it created
 
 
-def test_train_export_predict_round_trip_on_the_kaggle_files(tmp_path, digits):
-    assert run("data", "kaggle", "--out", tmp_path / "data").exit_code == 0
-    small = tmp_path / "data" / "small.csv"
-    small.write_text("\n".join((tmp_path / "data" / "train.csv").read_text().splitlines()[:1601]) + "\n")
+def test_train_export_predict_round_trip_on_the_kaggle_files(kaggle_dir, tmp_path, digits):
+    small = kaggle_head(kaggle_dir / "train.csv", 1600, tmp_path / "small.csv")
     result = run("train", "--model", "2+2", "--epochs", 2, "--data", small, "--results", tmp_path / "results",
                  "--export", tmp_path / "models" / "digits", "--verbose", 0)
     assert result.exit_code == 0, result.output
@@ -115,7 +115,7 @@ def test_train_export_predict_round_trip_on_the_kaggle_files(tmp_path, digits):
     assert sorted(p.name for p in (tmp_path / "models" / "digits").iterdir()) == ["1", "2"]
     submission = tmp_path / "submission.csv"
     result = run("predict", "--model-dir", tmp_path / "models" / "digits" / "2", "--test",
-                 tmp_path / "data" / "test.csv", "--out", submission)
+                 kaggle_dir / "test.csv", "--out", submission)
     assert result.exit_code == 0, result.output
     with open(submission, newline="") as file:
         rows = list(csv.reader(file))
@@ -130,7 +130,8 @@ def test_train_refuses_an_existing_export_version_before_training(exported, tmp_
     base, _ = exported
     result = run("train", "--export", base, "--version", 1, "--results", tmp_path / "results")
     assert result.exit_code == 2
-    assert f"{base / '1'} already exists; choose another version" in " ".join(result.output.split())
+    assert f"{base / '1'} already exists; choose another --version, or replace it with `cnnpar export --version 1 " \
+           f"--force`" in " ".join(result.output.split())
     assert not (tmp_path / "results").exists()
 
 
@@ -138,8 +139,8 @@ def test_export_refuses_an_existing_version_in_one_line_before_reading_the_weigh
     base, _ = exported
     result = run("export", "--weights", tmp_path / "absent.weights.h5", "--out", base, "--version", 1)
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert f"{base / '1'} already exists; pass --force to replace it, or choose another version. Received: " \
-           f"--version 1" in " ".join(result.output.split())
+    assert f"{base / '1'} already exists; choose another --version, or replace it with `cnnpar export --version 1 " \
+           f"--force`. Received: --version 1" in " ".join(result.output.split())
 
 
 def test_predict_on_bad_input_exits_2_and_writes_nothing(exported, tmp_path):

@@ -170,6 +170,7 @@ class Events(keras.callbacks.Callback):
         self.seen.append((epoch, sorted(name for name in logs if name in ("loss", "val_loss"))))
 
 
+@pytest.mark.slow  # AsyncPS's coordinator process and cluster
 def test_under_async_ps_a_callback_sees_validation_between_its_test_hooks_as_under_keras(user_data):
     """AsyncPS validates in its coordinator process; the user's callbacks saw its results in the epoch's logs
     but never ``on_test_begin`` or ``on_test_end``, which Keras calls around every validation."""

@@ -39,8 +39,7 @@ def test_a_registered_user_strategy_trains_through_fit_as_single_does(user_strat
     keras.utils.set_random_seed(0)
     cnnpar.fit(single, x, y, strategy="single", epochs=1, batch_size=32, shuffle=False, verbose=0, results_dir=None)
     assert len(history.history["loss"]) == 1
-    assert helpers.max_difference(mine.get_weights(), small_cnn(seed=3).get_weights()) > 1e-3  # it trained
-    assert helpers.max_weight_difference(mine, single) < 1e-6
+    helpers.assert_same_step(single, mine, 1e-6, before=small_cnn(seed=3))
 
 
 def test_a_registered_user_strategy_is_a_cli_choice_and_a_plan_configuration(user_strategy):

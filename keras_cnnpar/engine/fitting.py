@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar import strategies
+from keras_cnnpar.engine.hold import HoldBetweenEpochs
 from keras_cnnpar.engine.text_logs import TextLogs
 from keras_cnnpar.engine.user_callbacks import UserModelCallbacks, chief_writes
 from keras_cnnpar.keras_compat import graph
@@ -83,9 +84,13 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             logging = callback_lib.run_callbacks(info, results_dir, report=report, events=strategy.epoch_events,
                                                  save_weights=save_weights)
         users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
+        # Tests only: a run that writes results waits after an epoch, its row written (the short fits of the
+        # checks and the planner write none).
+        held = HoldBetweenEpochs.from_environment() if results_dir is not None else []
         text = TextLogs()  # last: the words of the logs reach the callbacks, not Keras's progress bar
         try:
-            history = run.fit(train, epochs=epochs, validation_data=validation, callbacks=[*users, *logging, text],
+            history = run.fit(train, epochs=epochs, validation_data=validation,
+                              callbacks=[*users, *logging, *held, text],
                               initial_epoch=initial_epoch, **fit_kwargs)
         except BaseException as error:
             if logging:
