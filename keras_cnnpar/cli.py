@@ -568,7 +568,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
     result = planner.plan(model, digits.x, digits.y, batch_size=batch_size, devices=devices,
                           precision=hardware.auto_precision() if precision == "auto" else precision,
-                          cache=not fresh, log=lambda line: click.echo(line, err=True))
+                          fresh=fresh, log=lambda line: click.echo(line, err=True))
     click.echo(result.table())
     best = result.best(memory_limit_mib=planner.device_memory_mib(devices))  # as `auto` chooses
     click.echo(f"\nauto would choose: {best.configuration if best else 'single (no configuration passed parity)'}"

@@ -286,3 +286,12 @@ def test_the_command_line_given_to_each_worker_gives_it_every_parameter_of_the_l
     assert cli.train.make_context("train", again[1:]).params == context.params
     assert context.params["fused_optimizer"] is False and context.params["strategy_options"] == (
         "timeout=5", "scale_lr='linear'")
+
+
+def test_train_with_auto_and_checks_exits_2_before_anything_runs(tmp_path):
+    """docs/cli.md: auto trains the plan's choice, "not with --checks" (its plan checks every configuration)."""
+    result = run("train", "--strategy", "auto", "--checks", "--results", tmp_path / "results")
+    assert result.exit_code == 2, result.output
+    assert "--strategy auto checks the parity of every configuration in its plan; leave --checks out, or name a " \
+           "strategy. Received: --checks" in " ".join(result.output.replace("│", " ").split())
+    assert not (tmp_path / "results").exists()

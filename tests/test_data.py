@@ -150,3 +150,12 @@ def test_a_line_after_blank_lines_is_refused_naming_the_first_blank_line(tmp_pat
         data.read_kaggle_csv(path)
     assert str(refused.value) == f"{path}, line 3: expected 785 comma-separated values (label,pixel0..pixel783). " \
                                  f"Received: 1 values"
+
+
+def test_the_seed_chooses_which_digits_are_held_out(digits):
+    """README and docs/data.md: split is stratified and shuffled with a seed, so another seed holds out other
+    digits of each class (about a fifth of them in common by chance), the same seed the same ones."""
+    held_out = [{image.tobytes() for image in data.split(digits, validation_fraction=0.2, seed=seed)[1].x}
+                for seed in (7, 8, 7)]
+    assert held_out[0] == held_out[2]
+    assert len(held_out[0] & held_out[1]) < len(held_out[0]) / 2

@@ -213,3 +213,14 @@ def test_cnnpar_launch_in_a_kubernetes_pod_runs_the_command_once_joining_at_impo
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "1\n"
+
+
+def test_a_tf_config_whose_task_index_is_outside_its_job_is_refused_naming_the_job(environ):
+    """docs/multi_worker.md: a malformed spec is refused before anything starts (`task index 2 is outside job
+    'worker', which has 2 tasks`)."""
+    task = {"type": "worker", "index": 2}
+    environ(TF_CONFIG=json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": task}))
+    with pytest.raises(ValueError) as raised:
+        environments.detect().task()
+    assert str(raised.value) == f"TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. Received: " \
+                                f"task={task!r}"

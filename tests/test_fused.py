@@ -132,3 +132,20 @@ def test_every_fused_kernel_holds_its_variables_locks(kind):
     kernels = [op for op in graph.get_operations() if op.type.startswith("ResourceApply")]
     assert len(kernels) == len(SHAPES), [op.type for op in graph.get_operations()]
     assert [op.get_attr("use_locking") for op in kernels] == [True] * len(SHAPES)
+
+
+def test_fit_applies_the_fused_kernels_by_default_and_keras_update_when_told(few_digits, monkeypatch):
+    """README: every strategy applies the optimizer's update with TensorFlow's fused kernels; fused_optimizer=False
+    keeps Keras's element-wise update."""
+    prepared, prepare = [], cnnpar.Single.prepare
+
+    def recorded(strategy, model, settings=None):
+        prepared.append(prepare(strategy, model, settings))
+        return prepared[-1]
+
+    monkeypatch.setattr(cnnpar.Single, "prepare", recorded)
+    x, y = few_digits[0][:64], few_digits[1][:64]
+    for given in ({}, {"fused_optimizer": False}):
+        cnnpar.fit(build_small_cnn(optimizer=keras.optimizers.Adam(0.01)), x, y, strategy="single", batch_size=64,
+                   verbose=0, results_dir=None, **given)
+    assert [isinstance(run.model.optimizer.update_step, functools.partial) for run in prepared] == [True, False]

@@ -393,3 +393,18 @@ def test_tensorflows_warning_that_its_own_checkpoint_saver_retraced_is_not_shown
         logger.removeHandler(handler)
     assert [record.getMessage() for record in seen] == [
         "5 out of the last 5 calls to <function train_step at 0x1> triggered tf.function retracing."]
+
+
+def test_a_runs_images_per_second_leaves_out_the_first_and_the_profiled_epoch_while_another_remains(tmp_path):
+    """docs/results.md: the median over the epochs after the first, leaving out the epoch traced for the time split
+    (slower under the profiler) when another remains; with none left, the traced epoch's figure."""
+    def epochs(*figures):
+        return [{"epoch": number, "train_seconds": 1.0, "images_per_second": figure, "time_split": split}
+                for number, (figure, split) in enumerate(figures, start=1)]
+
+    info = runs.RunInfo("m", "mirrored", 2, 64, 64, epochs=4, run_id="r")
+    row = runs.append_run(tmp_path, info, epochs((10.0, ""), (100.0, ""), (200.0, ""), (90.0, "trace")))
+    assert (row["images_per_second"], row["time_split"], row["epochs"]) == (150.0, "trace", 4)
+    row = runs.append_run(tmp_path, info, epochs((10.0, ""), (90.0, "trace")))
+    assert row["images_per_second"] == 90.0
+    assert [r["images_per_second"] for r in read(tmp_path / "runs.csv")] == ["150.0", "90.0"]

@@ -256,3 +256,67 @@ def test_cnnpar_plan_prints_the_ranked_table_and_writes_its_files(tmp_path, monk
     assert again.exit_code == 2 and "plan.csv exists; pass --force" in again.output
     cached = run_cli("plan", "--model", "2+2", "--devices", 1, "--out", tmp_path, "--force")
     assert cached.exit_code == 0 and "(cached plan; --fresh measures again)" in cached.output
+
+
+def test_a_plan_tries_every_configuration_the_docs_list_and_leaves_out_multi_worker():
+    """docs/plan.md: single; mirrored; layers with 1, 2 and 4 micro-batches; channels; every hybrid mesh with both
+    axes at least 2; async-ps with N workers; not multi-worker, whose workers are processes of their own."""
+    assert [str(c) for c in planner.configurations(4, batch_size=64)] == [
+        "single", "async-ps workers=4", "channels devices=4", "hybrid data=2 model=2",
+        "layers devices=4 microbatches=1", "layers devices=4 microbatches=2", "layers devices=4 microbatches=4",
+        "mirrored devices=4"]
+    assert [str(c) for c in planner.configurations(2, batch_size=64)] == [
+        "single", "async-ps workers=2", "channels devices=2", "layers devices=2 microbatches=1",
+        "layers devices=2 microbatches=2", "layers devices=2 microbatches=4", "mirrored devices=2"]
+
+
+def measured(alias, configuration=None, **figures):
+    """A trial of ``alias`` that passed parity, with ``figures`` (the shares 0 unless given)."""
+    return planner.Trial(configuration or alias, alias, 2, **{"images_per_second": 100.0, "parity": "pass",
+                                                              "compute": 0.0, "communication": 0.0, "input": 0.0,
+                                                              "idle": 0.0, **figures})
+
+
+def test_each_rows_advice_follows_the_documented_thresholds():
+    """docs/plan.md: communication above 25% of the step suggests accumulate=4 (fewer devices or a larger batch where
+    the strategy takes no accumulate); devices idle above 30% the strategy's remedy; else compute-bound."""
+    single = measured("single", compute=1.0, images_per_second=200.0)
+    rows = [measured("mirrored", "comm 26%", communication=0.26, compute=0.74),
+            measured("mirrored", "comm 24%", communication=0.24, compute=0.76),
+            measured("channels", "channels comm 26%", communication=0.26, compute=0.74),
+            measured("layers", "idle 31%", idle=0.31, compute=0.69),
+            measured("layers", "idle 29%", idle=0.29, compute=0.71),
+            measured("mirrored", "idle 31%, mirrored", idle=0.31, compute=0.69, images_per_second=300.0)]
+    planner._relate([single, *rows])
+    assert {t.configuration: t.advice for t in rows} == {
+        "comm 26%": "communication is 26% of the step: try accumulate=4",
+        "comm 24%": "compute-bound but slower than Single: these devices share the same cores or memory",
+        "channels comm 26%": "communication is 26% of the step: try fewer devices or a larger batch",
+        "idle 31%": "the devices are idle 31% of the step: try more micro-batches",
+        "idle 29%": "compute-bound but slower than Single: these devices share the same cores or memory",
+        "idle 31%, mirrored": "the devices are idle 31% of the step: try a larger batch"}
+    assert single.advice == "compute-bound: the devices are busy"
+
+
+def test_the_contenders_timed_again_are_the_eligible_trials_within_15_percent_of_the_fastest():
+    """docs/plan.md: the eligible configurations within 15% of the fastest eligible one (CONTENDER_MARGIN)."""
+    trials = [measured("single", images_per_second=1000.0), measured("mirrored", images_per_second=851.0),
+              measured("channels", images_per_second=849.0),
+              measured("layers", images_per_second=1300.0, parity="FAIL")]
+    assert [t.configuration for t in planner.contenders(trials)] == ["single", "mirrored"]
+    assert planner.contenders(trials[:1] + trials[2:]) == []  # one contender alone is not timed again
+
+
+def test_cnnpar_plan_reads_its_cached_plan_and_fresh_measures_again(tmp_path, monkeypatch):
+    """docs/cli.md: the plan is cached; `--fresh` measures again (batches of 8: each plan trains 56 steps)."""
+    monkeypatch.setenv("CNNPAR_CACHE", str(tmp_path))
+    first = run_cli("plan", "--model", "2+2", "--devices", 1, "--batch-size", 8)
+    assert first.exit_code == 0 and "(cached plan" not in first.output, first.output
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+    again = run_cli("plan", "--model", "2+2", "--devices", 1, "--batch-size", 8)
+    assert again.exit_code == 0 and "(cached plan; --fresh measures again)" in again.output
+    (cached,) = (tmp_path / "plans").glob("*.json")
+    before = cached.read_text()
+    fresh = run_cli("plan", "--model", "2+2", "--devices", 1, "--batch-size", 8, "--fresh")
+    assert fresh.exit_code == 0 and "(cached plan" not in fresh.output, fresh.output
+    assert cached.read_text() != before  # the new measurement replaced the cached plan: auto and plan read it next

@@ -181,3 +181,12 @@ def test_the_librarys_subprocesses_ignore_modules_in_the_current_folder(trained,
     monkeypatch.chdir(tmp_path)
     target = serving.export(trained["single"], tmp_path / "digits")  # verified in a fresh `python -P` process
     assert (target / "saved_model.pb").exists()
+
+
+def test_the_signature_gives_float32_probabilities_and_int64_classes_in_plain_tensorflow(exported):
+    """docs/serving.md: input `pixels`, float32 [N, 784]; outputs `probabilities`, float32 [N, 10], and `class`,
+    int64 [N] (TF Serving's JSON carries the class as an integer)."""
+    _, target = exported
+    served = serving.load_in_fresh_process(target, serving.sample_pixels()[:3])
+    assert (served["probabilities"].dtype, served["probabilities"].shape) == (np.float32, (3, 10))
+    assert (served["class"].dtype, served["class"].shape) == (np.int64, (3,))

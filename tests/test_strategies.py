@@ -696,3 +696,11 @@ def test_an_embedding_and_a_length_keras_leaves_unknown_train_as_under_keras(str
     assert memory.estimate(build_tokens_model(), strategies.resolve(strategy), 64, "float32") == {
         "weights": state, "gradients": state, "optimizer": 0, "activations": 4_866 * 4 * 32,
         "total": 2 * state + 4_866 * 4 * 32}
+
+
+@pytest.mark.parametrize("alias, steps", [("single", 8), ("mirrored", 1)])
+def test_single_runs_8_steps_per_call_and_data_parallel_one(alias, steps, small_cnn):
+    """README and docs/strategies.md: Single is Keras's fit with steps_per_execution=8; DataParallel runs one step
+    per call (docs/data_parallel.md: Keras 3 fails under MirroredStrategy with more)."""
+    run = strategies.resolve(alias).prepare(small_cnn())
+    assert run.model.steps_per_execution == steps

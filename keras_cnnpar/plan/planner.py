@@ -162,7 +162,7 @@ class Plan:
 
 
 def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candidates=None, cache=True,
-         log=print):
+         fresh=False, log=print):
     """Measure every configuration on ``devices`` devices (default: all logical devices) and rank them.
 
     Args:
@@ -175,12 +175,14 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
         precision: as in ``cnnpar.fit``.
         candidates: strategy objects to try instead of :func:`configurations`'s.
         cache: read and write the plan cache (``candidates`` given: never cached).
+        fresh: measure again where a cached plan exists, and cache the new plan in its place (``cnnpar plan
+            --fresh``): the next ``plan`` and ``strategy="auto"`` read it.
         log: called with each line of progress.
     """
     devices = devices or len(device_lib.logical_names())
     key = _cache_key(model, devices, batch_size, precision)
     path = cache_path(key)
-    if cache and candidates is None and path.exists():
+    if cache and not fresh and candidates is None and path.exists():
         try:
             return Plan(key, [Trial(**t) for t in json.loads(path.read_text())["trials"]], cached=True)
         except (ValueError, TypeError, KeyError) as error:  # written by another version, or damaged
