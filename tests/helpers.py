@@ -247,8 +247,6 @@ def flock_waiters(path):
     return {int(f[5]) for f in fields if f[1:3] == ["->", "FLOCK"] and f[6] == device}
 
 
-
-
 @contextlib.contextmanager
 def processes(commands, cwd, envs):
     """Start one process per command, each in a session of its own; on leaving, kill every process of those

@@ -330,18 +330,15 @@ def test_speedup_is_measured_only_against_a_single_run_of_the_same_data_precisio
 
 
 HOLDER = """
-import sys, time
+import sys
 from pathlib import Path
 from keras_cnnpar import runs
-path, ready, go, line = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+path, ready, line = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 with runs.locked(path) as file:
     file.write(line[:len(line) // 2])
     file.flush()
     ready.touch()
-    deadline = time.monotonic() + 120
-    while not go.exists():  # holds the lock mid-line until the test's append waits for it
-        assert time.monotonic() < deadline, f"the holder: no {go} within 120 s"
-        time.sleep(0.01)
+    sys.stdin.readline()  # holds the lock mid-line until the test, seeing the append wait, writes a line or closes
     file.write(line[len(line) // 2:] + "\\n")
 """
 APPENDERS = {
@@ -356,9 +353,9 @@ APPENDERS = {
 def test_an_append_waits_for_a_writer_that_holds_the_file_mid_line(tmp_path, name):
     """The holder keeps the file locked, half its line written, until the append is seen waiting for the lock."""
     first_line, append = APPENDERS[name]
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), str(ready), str(go), first_line],
-                              env=ENV)
+    ready = tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / name), str(ready), first_line],
+                              stdin=subprocess.PIPE, env=ENV)
     try:
         wait_until(ready.exists, "the holder to lock the file with half its line written", process=holder)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -366,10 +363,10 @@ def test_an_append_waits_for_a_writer_that_holds_the_file_mid_line(tmp_path, nam
             wait_until(lambda: appended.done() or os.getpid() in flock_waiters(tmp_path / name),
                        "the append to wait for the lock")
             assert not appended.done(), "the append did not wait for the holder's lock"
-            go.touch()  # the holder completes its line and unlocks
+            holder.stdin.close()  # the holder completes its line and unlocks
             appended.result(timeout=60)
     finally:
-        go.touch()
+        holder.stdin.close()
         holder.wait(timeout=30)
     lines = (tmp_path / name).read_text().splitlines()
     assert lines[0] == first_line and len(lines) == 2
