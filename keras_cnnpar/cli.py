@@ -539,17 +539,36 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
               help="Also write plan.csv and plan.png into this folder.")
 @FORCE
 @click.option("--fresh", is_flag=True, help="Measure again instead of reading the cached plan.")
-def plan_command(model_kind, devices, batch_size, source, data_dir, precision, out_dir, force, fresh):
+@click.option("--hosts", type=click.IntRange(min=1), default=None,
+              help="Predict training on 1 to this many hosts joined by --link instead (a cluster you may not have "
+                   "yet): images/s, efficiency and communication share of multi-worker and async-ps.")
+@click.option("--link", default=None, metavar="RATE",
+              help="For --hosts: each host's link rate, as tc writes it: 100mbit, 1gbit, 10gbit (`cnnpar cluster "
+                   "probe` measures yours).")
+@click.option("--latency", default="0.1ms", show_default=True, metavar="TIME",
+              help="For --hosts: one message's latency over the link, e.g. 0.1ms or 50us.")
+@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="For --hosts: one host's step of the global batch in seconds, where the hosts differ from this "
+                   "machine (default: measured here).")
+def plan_command(model_kind, devices, batch_size, source, data_dir, precision, out_dir, force, fresh, hosts, link,
+                 latency, step_seconds):
     """Measure every configuration the devices allow on a model and rank them: images/s, speedup, where the step's
     time goes (compute, communication, input, idle), memory per device, first-step parity, and advice.
 
     Each configuration trains a copy of the model for a few warm steps. The
     plan is cached per model, devices, machine, batch and precision, so a
     second `plan` (or `train --strategy auto`) is instant; --fresh measures again.
+
+    With --hosts N --link RATE it predicts instead, for hosts joined by that link,
+    from one host's step measured here (or --step-seconds) and the model's
+    gradient bytes: where adding hosts stops paying (--out writes scaling.csv
+    and scaling.png).
     """
     _quiet_tensorflow()
+    cluster_link = _link(hosts, link, latency, step_seconds)
+    outputs = ("scaling.csv", "scaling.png") if hosts else ("plan.csv", "plan.png")
     if out_dir is not None:
-        _refuse_to_overwrite([os.path.join(out_dir, name) for name in ("plan.csv", "plan.png")], force)
+        _refuse_to_overwrite([os.path.join(out_dir, name) for name in outputs], force)
         _check_writable(out_dir, "--out")
     import keras
 
@@ -559,13 +578,16 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     from keras_cnnpar.zoo import data as data_lib
     from keras_cnnpar.zoo import models
 
-    click.echo(device_lib.describe(device_lib.configure(devices)))
+    click.echo(device_lib.describe(device_lib.configure(1 if hosts else devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
     except data_lib.DataError as error:
         raise click.BadParameter(str(error), param_hint="--data") from None
     keras.utils.set_random_seed(0)
     model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    if hosts:
+        _plan_hosts(model, model_kind, digits, batch_size, hosts, cluster_link, step_seconds, out_dir)
+        return
     result = planner.plan(model, digits.x, digits.y, batch_size=batch_size, devices=devices,
                           precision=hardware.auto_precision() if precision == "auto" else precision,
                           fresh=fresh, log=lambda line: click.echo(line, err=True))
@@ -580,6 +602,40 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
         except OSError as error:
             raise _not_written(error, out_dir, "--out", "neither plan.csv nor plan.png was written") from None
         click.echo(f"wrote plan.csv and plan.png in {out_dir}")
+
+
+def _link(hosts, link, latency, step_seconds):
+    """The link of ``plan --hosts``, or None without --hosts; a one-line refusal where the options disagree."""
+    if hosts is None:
+        given = [name for name, value in (("--link", link), ("--step-seconds", step_seconds)) if value is not None]
+        if given:
+            raise Refused(f"{given[0]} is for --hosts: add --hosts N to predict training on N hosts")
+        return None
+    if link is None:
+        raise Refused("--hosts needs --link RATE, the hosts' link rate: 100mbit, 1gbit or 10gbit, say")
+    from keras_cnnpar.cluster import traffic
+
+    try:
+        return traffic.Link.parse(link, latency)
+    except ValueError as error:
+        raise Refused(f"--link/--latency: {error}") from None
+
+
+def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds, out_dir):
+    """``cnnpar plan --hosts``: the predicted scaling table of ``model`` (see :mod:`keras_cnnpar.plan.scaling`)."""
+    from keras_cnnpar.plan import planner, scaling
+
+    if step_seconds is None:
+        step_seconds = planner.single_step_seconds(model, digits.x, digits.y, batch_size=batch_size)
+    result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind)
+    click.echo(result.text())
+    if out_dir is not None:
+        try:
+            with atomic.made_folder(out_dir):
+                result.save(out_dir)
+        except OSError as error:
+            raise _not_written(error, out_dir, "--out", "neither scaling.csv nor scaling.png was written") from None
+        click.echo(f"wrote scaling.csv and scaling.png in {out_dir}")
 
 
 @main.command()
@@ -714,7 +770,8 @@ def launch(workers, network_kind, command):
 
 @main.group("cluster")
 def cluster_group():
-    """TensorFlow server processes for --strategy async-ps: on this machine (start, stop) or on each host (serve)."""
+    """TensorFlow server processes for --strategy async-ps: on this machine (start, stop) or on each host (serve);
+    the links between them (probe)."""
 
 
 @cluster_group.command("start")
@@ -784,6 +841,40 @@ def cluster_serve(spec_path, job, index):
         servers.serve(spec, job, index, announce=True)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--cluster/--job/--index") from None
+
+
+@cluster_group.command("probe")
+@click.option("--cluster", "spec_path", type=click.Path(dir_okay=False), required=True,
+              help="The cluster's spec, as for `cluster serve` (worker and ps jobs); its servers must be running.")
+@click.option("--coordinator", default=None, metavar="HOST:PORT",
+              help="This process's address, which every task must reach, as for `train --coordinator` (default: "
+                   "this host's address on the interface that routes to the cluster).")
+@click.option("--seconds", type=click.FloatRange(min=0, min_open=True), default=0.5, show_default=True,
+              help="How long the largest transfer of each pair takes at least (tensors double until it does).")
+def cluster_probe(spec_path, coordinator, seconds):
+    """Measure the link from the first task of a running cluster to every other task, with TensorFlow's own
+    transport: the rate and the round trip of each pair, and the slowest pair's as `cnnpar plan --hosts`
+    options."""
+    _quiet_tensorflow()
+    from keras_cnnpar.cluster import network
+    from keras_cnnpar.cluster import spec as cluster
+    from keras_cnnpar.plan import probe
+
+    try:
+        spec = cluster.parse_spec(spec_path)
+        chief = cluster.coordinator_address(spec, coordinator)
+        network.wait_reachable(spec, 30)
+    except ValueError as error:
+        raise Refused(str(error)) from None
+    except ConnectionError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(network.exposure_warning("probe's coordinator", [chief.rpartition(":")[2]]), err=True)
+    measured = probe.probe(spec, chief, seconds=seconds)
+    for pair in measured:
+        click.echo(str(pair))
+    slowest = min(measured, key=lambda pair: pair.bits_per_second).link()
+    click.echo(f"slowest link: --link {slowest.bits_per_second / 1e6:.0f}mbit "
+               f"--latency {slowest.latency_seconds * 1e3:.2f}ms")
 
 
 @main.group()

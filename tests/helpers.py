@@ -222,6 +222,14 @@ def run_cli(*args):
     return CliRunner().invoke(cli.main, [str(a) for a in args])
 
 
+def one_line_refusal(result, exit_code=2):
+    """The one line a CLI ``result`` that exited with ``exit_code`` wrote on stderr: nothing else, no traceback."""
+    assert result.exit_code == exit_code, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    (line,) = result.stderr.splitlines()
+    return line
+
+
 def cnnpar_command(*args):
     """The command line of ``cnnpar ARGS...`` run by this Python (arguments made strings)."""
     return [sys.executable, "-m", "keras_cnnpar.cli", *map(str, args)]

@@ -145,12 +145,13 @@ def test_the_users_model_gets_the_coordinators_optimizer_state(observed_run):
 #: 2 workers is 1.0 point (standard deviation; seed 1 of benchmarks/async_robustness.py, four runs in
 #: docs/measurements/2026-12-05-avx2-asyncps.md). At 3 points seed 1 was 2.1 of those deviations from failing,
 #: about 1 run in 60 (and it dipped under load in CI); at 5 points it is 4.1 deviations: about 2 in 100,000 runs
-#: for seed 1 (normal tails), far fewer for seed 3, so below 1 in 10,000 for the test. A collapse (0.34-0.61
-#: before the fixes the docstring names) stays far below either.
+#: for seed 1 (normal tails). A collapse (0.34-0.61 before the fixes the docstring names) stays far below either.
+#: The test runs seed 1, the closer of the two to its bound; seed 3 and the others are the robustness benchmark's
+#: (benchmarks/async_robustness.py), which holds every seed within 3 points.
 ASYNC_GAP = 0.05
 
 
-@pytest.mark.parametrize("seed", [1, 3])
+@pytest.mark.parametrize("seed", [1])
 def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_5_points_of_single(seed):
     """The seed's 3+3 CNN (SGD 0.05, Nesterov momentum 0.9) collapsed in some seeds before the default warm-up
     and the division by (1 + staleness)^2 (docs/async.md). Without the division (staleness_aware=False),

@@ -1,6 +1,6 @@
 """Every cross-host path, between network namespaces that behave as hosts (``tests/hosts.py``).
 
-MultiWorker over two hosts, a host whose link goes down mid-epoch, and AsyncPS
+MultiWorker over two hosts (on links of two rates), a host whose link goes down mid-epoch, and AsyncPS
 with its coordinator on another host than its workers and parameter server.
 Every address is one of the namespaces' own (10.231.7.0/24); nothing leaves
 the machine. Skipped, with the reason, where namespaces cannot be made.
@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from keras_cnnpar.cluster import spec as cluster
+from keras_cnnpar.cluster import traffic
+from keras_cnnpar.plan import scaling
 from keras_cnnpar.results import runs
+from keras_cnnpar.zoo import models
 from keras_cnnpar.zoo.names import MODEL_NAMES
 from tests import hosts
 from tests.helpers import ENV, cnnpar_command, epoch_column, held, read_rows, release, wait_for_epoch_rows
@@ -51,15 +54,34 @@ def worker_env(spec, index):
     return {**ENV, "TF_CONFIG": json.dumps(cluster.Task(spec, "worker", index).tf_config())}
 
 
-def test_multi_worker_trains_across_two_hosts_and_only_the_chief_writes(tmp_path, small_csv):
-    with hosts.Hosts(2) as net:
-        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
-        started = [start(net, i, train(small_csv, "--strategy", "multi-worker", "--workers", "2", "--epochs", "2"),
-                         tmp_path / f"host{i}", worker_env(spec, i)) for i in range(2)]
-        codes = [process.wait(timeout=180) for process in started]
-    assert codes == [0, 0], output(tmp_path / "host0")[-3000:] + output(tmp_path / "host1")[-3000:]
-    assert len(read_rows(tmp_path / "host0" / "results" / MULTI_WORKER_CSV)) == 2
-    assert not (tmp_path / "host1" / "results").exists()
+def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows_as_the_link_slows(tmp_path,
+                                                                                                   small_csv):
+    """--checks under MultiWorker on two hosts whose links run at 1 Gbit/s, then at 50 Mbit/s: the chief's traced
+    epoch has a communication share that is higher on the slower link, and its communication a step is at least
+    the ring all-reduce's bytes at that rate (``traffic.ring_all_reduce``: the 3+3's gradient, once each way).
+    Only the chief writes."""
+    if reason := hosts.unshapeable():
+        pytest.skip(reason)
+    model = models.cnn("3+3", input_shape=(28, 28, 1), num_classes=10)
+    wire = {rate: traffic.Link.parse(rate).seconds(traffic.ring_all_reduce(scaling.gradient_bytes(model), 2))
+            for rate in ("1gbit", "50mbit")}
+    traced = {}
+    for rate in wire:
+        folder = tmp_path / rate
+        with hosts.Hosts(2, rate=rate) as net:
+            spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+            started = [start(net, i, train(small_csv, "--strategy", "multi-worker", "--workers", "2", "--epochs", "2",
+                                           "--checks"), folder / f"host{i}", worker_env(spec, i)) for i in range(2)]
+            codes = [process.wait(timeout=180) for process in started]
+        assert codes == [0, 0], output(folder / "host0")[-3000:] + output(folder / "host1")[-3000:]
+        first, traced[rate] = read_rows(folder / "host0" / "results" / MULTI_WORKER_CSV)
+        assert (first["time_split"], traced[rate]["time_split"], traced[rate]["grad_parity_verdict"]) == (
+            "", "trace", "n/a")  # no one-step probe beside a cluster's run
+        assert not (folder / "host1" / "results").exists()
+    share = {rate: float(row["communication_share"]) for rate, row in traced.items()}
+    assert share["50mbit"] > share["1gbit"], share
+    communication = share["50mbit"] * float(traced["50mbit"]["step_seconds"])
+    assert communication >= 0.8 * wire["50mbit"], (communication, wire)
 
 
 def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path):
@@ -131,6 +153,30 @@ def test_a_host_whose_link_goes_down_fails_the_other_within_the_timeout_and_noth
 def serve(net, host, spec_path, job, index, folder):
     return start(net, host, cnnpar_command("cluster", "serve", "--cluster", spec_path, "--job", job, "--index", index),
                  folder / f"{job}{index}")
+
+
+def test_cluster_probe_measures_the_rate_of_a_shaped_link_with_tensorflows_transport(tmp_path):
+    """A worker on one host, a parameter server on another, their links at 50 Mbit/s: `cnnpar cluster probe`
+    from the first host reads the rate within 25% (TCP's and gRPC's framing take a few percent), and prints it as
+    `plan --hosts` options."""
+    if reason := hosts.unshapeable():
+        pytest.skip(reason)
+    with hosts.Hosts(2, rate="50mbit") as net:
+        spec = {"worker": [f"{net.address(0)}:2222"], "ps": [f"{net.address(1)}:2222"]}
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps({"cluster": spec}))
+        servers = [serve(net, index, spec_path, job, 0, tmp_path) for index, job in enumerate(("worker", "ps"))]
+        probe = start(net, 0, cnnpar_command("cluster", "probe", "--cluster", spec_path, "--seconds", "0.3"),
+                      tmp_path / "probe")
+        code = probe.wait(timeout=120)
+        for server in servers:
+            server.send_signal(signal.SIGTERM)
+        stopped = [server.wait(timeout=30) for server in servers]
+    printed = output(tmp_path / "probe")
+    assert code == 0 and stopped == [0, 0], printed[-3000:]
+    (pair,) = re.findall(r"/job:worker/replica:0/task:0 -> /job:ps/replica:0/task:0: ([0-9,]+) Mbit/s", printed)
+    assert 0.75 * 50 <= float(pair.replace(",", "")) <= 1.25 * 50, printed
+    assert re.search(r"^slowest link: --link \d+mbit --latency [0-9.]+ms$", printed, re.MULTILINE), printed
 
 
 def test_async_ps_with_its_coordinator_on_another_host_trains_and_its_servers_stop_cleanly(tmp_path, small_csv):

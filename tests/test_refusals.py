@@ -13,16 +13,8 @@ import keras_cnnpar as cnnpar
 from keras_cnnpar import strategies
 from keras_cnnpar.results import checkpoints, runs
 from keras_cnnpar.zoo.names import MODEL_NAMES
-from tests.helpers import build_small_cnn, fill, read_only, read_rows, tmpfs, write_lines
+from tests.helpers import build_small_cnn, fill, one_line_refusal, read_only, read_rows, tmpfs, write_lines
 from tests.helpers import run_cli as run
-
-
-def one_line_refusal(result, exit_code=2):
-    """The one line a CLI ``result`` that exited with ``exit_code`` wrote on stderr: nothing else, no traceback."""
-    assert result.exit_code == exit_code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    (line,) = result.stderr.splitlines()
-    return line
 
 
 def test_resume_on_a_strategy_that_keeps_no_checkpoint_is_refused_not_ignored(small_csv, tmp_path):

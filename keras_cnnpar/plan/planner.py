@@ -372,6 +372,13 @@ def _images_per_second(model, strategy, x, y, batch_size, precision, timer=None)
     return TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
 
 
+def single_step_seconds(model, x, y, *, batch_size=64, precision="float32"):
+    """Seconds of one training step of the global batch under Single on this machine, as a trial times it (the
+    median of its timed epochs): one host's step in :mod:`keras_cnnpar.plan.scaling`'s predictions."""
+    x, y = _trial_data(x, y, batch_size)
+    return batch_size / _images_per_second(model, strategies.Single(), x, y, batch_size, precision)
+
+
 def contenders(trials):
     """The eligible trials within ``CONTENDER_MARGIN`` of the fastest eligible one, when there are two or more.
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
+from keras_cnnpar.cluster import traffic
 from keras_cnnpar.keras_compat import accumulation, rebuild
 from keras_cnnpar.results import checkpoints, runs
 from keras_cnnpar.strategies import arguments, memory, registry
@@ -227,6 +228,21 @@ class Strategy(metaclass=_Configuration):
         if devices < 2 or registry.invalid(cls, devices):
             return []
         return [((cls.device_option, devices),)]
+
+    @classmethod
+    def host_step(cls, hosts, compute_seconds, link, gradient_bytes):
+        """One step of this strategy on ``hosts`` hosts joined by ``link`` (a :class:`traffic.Link`), as a
+        :class:`traffic.HostStep`, where one host computes the step of the global batch in ``compute_seconds``
+        and the model's gradient (and weights) is ``gradient_bytes``; None where it does not train across hosts.
+        On one host, every strategy's step is that host's.
+
+        >>> from keras_cnnpar import strategies
+        >>> strategies.Single.host_step(1, 0.04, traffic.Link.parse("1gbit"), 10**6)
+        HostStep(compute_seconds=0.04, communication_seconds=0.0, parallel_steps=1.0, images_factor=1)
+        >>> strategies.Single.host_step(2, 0.04, traffic.Link.parse("1gbit"), 10**6) is None
+        True
+        """
+        return traffic.HostStep(compute_seconds) if hosts == 1 else None
 
     def __init__(self, *, steps_per_execution=8, accumulate=1):
         self.steps_per_execution = arguments.positive_int("steps_per_execution", steps_per_execution)

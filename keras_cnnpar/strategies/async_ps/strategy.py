@@ -6,7 +6,7 @@ import sys
 
 import tensorflow as tf
 
-from keras_cnnpar.cluster import network
+from keras_cnnpar.cluster import network, traffic
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.strategies import arguments, base
@@ -144,6 +144,26 @@ class AsyncPS(CheckpointedStrategy):
     device_option = "workers"
     needs_cluster = True
     elastic = True
+
+    @classmethod
+    def host_step(cls, hosts, compute_seconds, link, gradient_bytes, ps=1):
+        """``hosts - ps`` workers, each on a host of its own: a worker reads every variable, computes the whole
+        batch's step and writes its gradient (both over its link, one after the other), while the others do the
+        same; the parameter servers' links carry every worker's reads and writes, ``1 / ps`` of them each, which
+        bounds how many steps they serve at once. None without a host for a worker.
+
+        >>> step = AsyncPS.host_step(3, 0.072, traffic.Link.parse("1gbit"), 13_000_000)
+        >>> round(step.communication_seconds, 3), round(step.parallel_steps, 2), round(step.images_per_second(64))
+        (0.208, 2.0, 457)
+        >>> round(AsyncPS.host_step(5, 0.072, traffic.Link.parse("1gbit"), 13_000_000).parallel_steps, 2)
+        2.69
+        """
+        workers = hosts - ps
+        if workers < 1:
+            return None
+        communication = link.seconds(2 * gradient_bytes, rounds=2)
+        served = (compute_seconds + communication) / link.seconds(gradient_bytes / ps)
+        return traffic.HostStep(compute_seconds, communication, parallel_steps=float(min(workers, served)))
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
                  warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints",

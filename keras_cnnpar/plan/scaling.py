@@ -1,0 +1,192 @@
+"""Predict training across hosts you do not have yet: ``cnnpar plan --hosts N --link RATE``.
+
+One host's step of the global batch is measured on this machine (forward and
+backward of the model, :func:`checks.single_device_step_seconds`), or given
+where the hosts differ from it; the model's gradient bytes are counted; and
+each strategy that trains across hosts predicts its step on 1 to N hosts
+joined by the link (``Strategy.host_step``): MultiWorker computes its share of
+the batch and then all-reduces the whole gradient in a ring, AsyncPS's
+workers each read the weights and write a gradient per step through the
+parameter server's link. The table gives the predicted images/s, the scaling
+efficiency (images/s over N times one host's) and the communication share,
+and says where adding hosts stops paying.
+
+Example (a 2+2 step of 72 ms on one host, hosts joined by 1 Gbit/s):
+
+>>> import keras_cnnpar as cnnpar
+>>> from keras_cnnpar.cluster import traffic
+>>> result = predict(cnnpar.models.cnn("2+2"), hosts=4, link=traffic.Link.parse("1gbit"), compute_seconds=0.072,
+...                  name="2+2")
+>>> print(result.text())  # doctest: +NORMALIZE_WHITESPACE
+2+2: 3,274,634 parameters, 13.1 MB of gradient a step; one host: 889 images/s (72.0 ms a step of 64)
+link: 1gbit, 0 ms latency
+hosts | multi-worker efficiency  comm | accumulate images/s  comm | async-ps efficiency
+    1 |          889       100%    0% |        K=1      889    0% |      n/a
+    2 |          455        26%   74% |       K=12     1431   20% |      227        13%
+    3 |          391        15%   85% |       K=24     2146   20% |      455        17%
+    4 |          365        10%   90% |       K=35     2846   20% |      611        17%
+adding hosts does not pay: one host is fastest (889 images/s); accumulating K=35 batches per all-reduce (an update \
+of 2240 images) brings communication to 20% of the step on 4 hosts: 2846 images/s
+"""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from keras_cnnpar import strategies
+from keras_cnnpar.results import runs
+from keras_cnnpar.runtime.atomic import write_together
+
+#: Communication share under which the accumulation the table suggests brings a multi-worker step (the
+#: original project's 20-30%: above it, change the parallelism).
+COMMUNICATION_TARGET = 0.2
+#: The columns of ``scaling.csv``: one row per host count and configuration.
+COLUMNS = ("hosts", "configuration", "images_per_second", "efficiency", "communication_share", "step_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One configuration on ``hosts`` hosts: its predicted images/s, efficiency and communication share."""
+
+    hosts: int
+    configuration: str
+    images_per_second: float
+    efficiency: float
+    communication_share: float
+    step_seconds: float
+
+
+@dataclasses.dataclass
+class Scaling:
+    """The predictions of every configuration on 1 to N hosts, and what they were computed from."""
+
+    model: str
+    parameters: int
+    gradient_bytes: int
+    compute_seconds: float
+    batch_size: int
+    link: object
+    predictions: list
+
+    def of(self, configuration):
+        """The predictions of ``configuration`` (``multi-worker``, ``async-ps``, ``multi-worker accumulate``),
+        by host count."""
+        return {p.hosts: p for p in self.predictions if p.configuration.split(" K=")[0] == configuration}
+
+    def text(self):
+        single = self.batch_size / self.compute_seconds
+        lines = [f"{self.model}: {self.parameters:,} parameters, {self.gradient_bytes / 1e6:.1f} MB of gradient a "
+                 f"step; one host: {single:.0f} images/s ({self.compute_seconds * 1e3:.1f} ms a step of "
+                 f"{self.batch_size})", f"link: {self.link}",
+                 f"{'hosts':>5s} | {'multi-worker':>12s} {'efficiency':>10s} {'comm':>5s} | {'accumulate':>10s} "
+                 f"{'images/s':>8s} {'comm':>5s} | {'async-ps':>8s} {'efficiency':>10s}"]
+        synced, accumulated, asynchronous = (self.of(name) for name in
+                                             ("multi-worker", "multi-worker accumulate", "async-ps"))
+        for hosts, row in synced.items():
+            more, late = accumulated[hosts], asynchronous.get(hosts)
+            lines.append(f"{hosts:5d} | {row.images_per_second:12.0f} {row.efficiency:10.0%} "
+                         f"{row.communication_share:5.0%} | {'K=' + more.configuration.split('=')[1]:>10s} "
+                         f"{more.images_per_second:8.0f} {more.communication_share:5.0%} | "
+                         + (f"{late.images_per_second:8.0f} {late.efficiency:10.0%}" if late else f"{'n/a':>8s}"))
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+    def verdict(self):
+        """Where adding hosts stops paying for MultiWorker at the global batch, and what accumulating gives."""
+        synced = self.of("multi-worker")
+        best = max(synced.values(), key=lambda p: p.images_per_second)
+        if best.hosts == 1:
+            said = f"adding hosts does not pay: one host is fastest ({best.images_per_second:.0f} images/s)"
+        elif best.hosts == max(synced):
+            said = (f"adding hosts still pays at {best.hosts} hosts ({best.images_per_second:.0f} images/s, "
+                    f"efficiency {best.efficiency:.0%})")
+        else:
+            said = (f"adding hosts stops paying at {best.hosts} hosts ({best.images_per_second:.0f} images/s, "
+                    f"efficiency {best.efficiency:.0%}); more hosts are slower")
+        most = max(synced)
+        more = self.of("multi-worker accumulate")[most]
+        k = int(more.configuration.split("=")[1])
+        if k > 1:
+            said += (f"; accumulating K={k} batches per all-reduce (an update of {k * self.batch_size} images) "
+                     f"brings communication to {more.communication_share:.0%} of the step on {most} hosts: "
+                     f"{more.images_per_second:.0f} images/s")
+        return said
+
+    def save(self, folder):
+        """Write ``scaling.csv`` and ``scaling.png`` (images/s against hosts, beside N times one host's) into
+        ``folder``, both or neither."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+
+        folder = Path(folder)
+        figure, axis = pyplot.subplots(figsize=(7, 4))
+        hosts = sorted(self.of("multi-worker"))
+        axis.plot(hosts, [h * self.batch_size / self.compute_seconds for h in hosts], "k:", label="ideal")
+        for name in ("multi-worker", "multi-worker accumulate", "async-ps"):
+            rows = self.of(name)
+            axis.plot(sorted(rows), [rows[h].images_per_second for h in sorted(rows)], "o-", label=name)
+        axis.set(title=f"{self.model} over {self.link}", xlabel="hosts", ylabel="predicted images/s", xscale="log",
+                 yscale="log")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        try:
+            write_together({
+                folder / "scaling.csv": runs.csv_text(COLUMNS, [dataclasses.asdict(p) for p in self.predictions]),
+                folder / "scaling.png": lambda partial: figure.savefig(partial, dpi=100)})
+        finally:
+            pyplot.close(figure)
+
+
+def host_counts(hosts):
+    """1, 2, 3, 4, then powers of two, up to ``hosts`` (included).
+
+    >>> host_counts(4), host_counts(64), host_counts(12)
+    ([1, 2, 3, 4], [1, 2, 3, 4, 8, 16, 32, 64], [1, 2, 3, 4, 8, 12])
+    """
+    counts = [h for h in (1, 2, 3) if h < hosts] + [2 ** k for k in range(2, int(math.log2(hosts)) + 1)]
+    return sorted(set(counts) | {hosts})
+
+
+def gradient_bytes(model):
+    """Bytes of ``model``'s trainable variables: what an all-reduce or a parameter server moves for a step."""
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.trainable_variables))
+
+
+def predict(model, hosts, link, compute_seconds, batch_size=64, name=None):
+    """The :class:`Scaling` of ``model`` on 1 to ``hosts`` hosts joined by ``link``, where one host computes a step
+    of ``batch_size`` in ``compute_seconds``."""
+    size = gradient_bytes(model)
+    single = batch_size / compute_seconds
+    predictions = []
+
+    def add(count, configuration, step):
+        if step is not None:
+            images = step.images_per_second(batch_size)
+            predictions.append(Prediction(count, configuration, images, images / (count * single),
+                                          step.communication_share, step.seconds))
+
+    for count in host_counts(hosts):
+        synced = strategies.MultiWorker.host_step(count, compute_seconds, link, size)
+        add(count, "multi-worker", synced)
+        k = accumulation_for(synced, COMMUNICATION_TARGET)
+        add(count, f"multi-worker accumulate K={k}",
+            strategies.MultiWorker.host_step(count, compute_seconds, link, size, accumulate=k))
+        if count > 1:
+            add(count, "async-ps", strategies.AsyncPS.host_step(count, compute_seconds, link, size))
+    parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    return Scaling(name or model.name, parameters, size, compute_seconds, batch_size, link, predictions)
+
+
+def accumulation_for(step, share):
+    """The fewest micro-batches a multi-worker ``step`` must accumulate per all-reduce for its communication to be
+    at most ``share`` of the step.
+
+    >>> from keras_cnnpar.cluster import traffic
+    >>> accumulation_for(traffic.HostStep(0.036, 0.104), 0.2), accumulation_for(traffic.HostStep(0.036, 0.001), 0.2)
+    (12, 1)
+    """
+    return max(1, math.ceil(step.communication_seconds * (1 - share) / (share * step.compute_seconds)))
