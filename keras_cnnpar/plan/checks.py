@@ -116,7 +116,12 @@ class GradientParityCheck(keras.callbacks.Callback):
 
 def _expected_difference(model, strategy):
     """Why ``strategy``'s step on ``model`` is meant to differ from Single's, as ``(reason, explanation)``, or None:
-    BatchNormalization over parts of the batch (replicas without ``sync_batchnorm``, or pipeline micro-batches)."""
+    gradients all-reduced in bfloat16, or BatchNormalization over parts of the batch (replicas without
+    ``sync_batchnorm``, or pipeline micro-batches)."""
+    if strategy.all_reduce_dtype is not None:
+        return (f"gradients all-reduced in {strategy.all_reduce_dtype}", f"its replicas sum their gradients in "
+                f"{strategy.all_reduce_dtype} (all_reduce_dtype), which rounds them to 8 significant bits; with "
+                f"all_reduce_dtype=None the step is Single's")
     if not any(isinstance(layer, keras.layers.BatchNormalization)
                for layer in model._flatten_layers(include_self=False, recursive=True)):
         return None

@@ -90,6 +90,24 @@ def scale_lr(value):
     return value
 
 
+def all_reduce_dtype(value):
+    """An ``all_reduce_dtype`` option: ``None`` (the gradients' own dtype; also spelled ``"none"``) or
+    ``"bfloat16"`` (half the bytes of float32 on the wire).
+
+    >>> all_reduce_dtype("bfloat16"), all_reduce_dtype("none")
+    ('bfloat16', None)
+    >>> all_reduce_dtype("float16")
+    Traceback (most recent call last):
+    ValueError: all_reduce_dtype must be None (the gradients' own dtype) or 'bfloat16'. Received: \
+all_reduce_dtype='float16'
+    """
+    value = None if value == "none" else value
+    if value not in (None, "bfloat16"):
+        raise ValueError(f"all_reduce_dtype must be None (the gradients' own dtype) or 'bfloat16'. Received: "
+                         f"all_reduce_dtype={value!r}")
+    return value
+
+
 def precision(value):
     """A ``precision`` option: one of :data:`PRECISION_CHOICES`."""
     if value not in PRECISION_CHOICES:

@@ -192,6 +192,8 @@ class Strategy(metaclass=_Configuration):
     #: and ema_overwrite_frequency fail, and whether its optimizer's update all-reduces the replicas' gradients
     #: (the mirrored strategies).
     trains_under_tf_distribute = all_reduces_gradients = False
+    #: The dtype its gradients travel in between replicas (None: their own); see ``all_reduce_dtype`` options.
+    all_reduce_dtype = None
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
     #: What the planner's advice suggests when the devices sit idle through much of a step.
@@ -333,7 +335,7 @@ class Strategy(metaclass=_Configuration):
                                    fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
                                    clone=accumulation.wrap(clone, self.accumulate, over_replicas))
         if self.all_reduces_gradients:
-            clip_the_replicas_sum(prepared.optimizer)
+            sum_over_replicas(prepared.optimizer, self.all_reduce_dtype)
             draw_apart_on_each_replica(prepared)
         return prepared
 
@@ -398,30 +400,42 @@ def summed_over_replicas(value):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value), context.num_replicas_in_sync
 
 
-def clip_the_replicas_sum(optimizer):
-    """Make ``optimizer`` clip the sum of the replicas' gradients, as ``Single`` clips the whole batch's.
+def sum_over_replicas(optimizer, dtype=None):
+    """Make ``optimizer`` all-reduce its gradients in ``dtype`` (None: their own) and clip their sum, as ``Single``
+    clips the whole batch's.
 
     Keras 3 clips (``clipnorm``, ``global_clipnorm``, ``clipvalue``) each
     replica's part of the gradient before its all-reduce sums them, so N
     replicas stepped up to N times as far as one device (tf-keras 2 clipped
     after the sum). With clipping set, the sum moves ahead of it: the
     all-reduce runs in ``_clip_gradients``, and the optimizer's own all-reduce
-    passes the summed gradients on.
+    passes the summed gradients on. With ``dtype``, each gradient is cast to it
+    for the all-reduce (fewer bytes between hosts) and its sum cast back.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    if not (optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue):
-        return
-    clip = optimizer._clip_gradients
+    if optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue:
+        clip = optimizer._clip_gradients
+        optimizer._clip_gradients = lambda gradients: clip(_summed(gradients, dtype))
+        optimizer._all_reduce_sum_gradients = list  # summed already
+    elif dtype is not None:
+        def all_reduce_in_dtype(grads_and_vars):
+            gradients, variables = zip(*grads_and_vars) if grads_and_vars else ((), ())
+            return list(zip(_summed(list(gradients), dtype), variables))
 
-    def sum_then_clip(gradients):
-        context = tf.distribute.get_replica_context()
-        if context is None:  # in the cross-replica context: nothing to sum, as in Keras's all-reduce
-            return clip(gradients)
-        summed = iter(context.all_reduce(tf.distribute.ReduceOp.SUM, [g for g in gradients if g is not None]))
-        return clip([None if g is None else next(summed) for g in gradients])
+        optimizer._all_reduce_sum_gradients = all_reduce_in_dtype
 
-    optimizer._clip_gradients = sum_then_clip
-    optimizer._all_reduce_sum_gradients = list  # summed already
+
+def _summed(gradients, dtype):
+    """``gradients`` (None left as None) summed over the replicas in sync, sent in ``dtype`` where given; as they
+    are in the cross-replica context, where there is nothing to sum (as in Keras's own all-reduce)."""
+    context = tf.distribute.get_replica_context()
+    present = [g for g in gradients if g is not None]
+    if context is None or not present:
+        return gradients
+    sent = [tf.cast(g, dtype) for g in present] if dtype else present
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+    summed = iter([tf.cast(s, g.dtype) for s, g in zip(summed, present)] if dtype else summed)
+    return [None if g is None else next(summed) for g in gradients]
 
 
 def draw_apart_on_each_replica(model):

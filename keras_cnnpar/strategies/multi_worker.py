@@ -85,6 +85,8 @@ class MultiWorker(CheckpointedStrategy):
             :class:`DataParallel`: one all-reduce per ``accumulate`` micro-batches.
         sync_batchnorm: ``BatchNormalization`` statistics over the global
             batch of all workers (default True), as in :class:`DataParallel`.
+        all_reduce_dtype: ``"bfloat16"`` halves the bytes each step sends
+            between hosts, as in :class:`DataParallel`.
     """
 
     description = "sync data parallel across processes, see --workers"
@@ -115,10 +117,11 @@ class MultiWorker(CheckpointedStrategy):
                                 images_factor=accumulate)
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
-                 accumulate=1, sync_batchnorm=True):
+                 accumulate=1, sync_batchnorm=True, all_reduce_dtype=None):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
                          accumulate=accumulate)
         self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
+        self.all_reduce_dtype = arguments.all_reduce_dtype(all_reduce_dtype)
         self.task = cluster_lib.Task.parse(cluster) if cluster is not None else environment_task()
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)

@@ -1,0 +1,196 @@
+"""Training across hosts over links of a given rate: measured images/s beside the prediction of `cnnpar plan --hosts`.
+
+Needs root: the hosts are network namespaces on this machine (``tests/hosts.py``), every link shaped with
+``tc``'s token bucket at the rate ("unshaped": the bare veth pair). For each rate it first probes the link
+(``cnnpar cluster probe``: the rate and round trip TensorFlow's transport gets), then, for the 2+2 and the 3+3
+(``cnnpar train``, global batch 64, the first ``--digits`` digits of mnist-5k as a Kaggle CSV, ``--epochs``
+epochs; images/s is the median of the epochs after the first), runs:
+
+- single on one host (once, unshaped: it sends nothing);
+- multi-worker on 2 and on 3 hosts;
+- multi-worker on 2 hosts with the accumulation the prediction advises (communication under 20% of the step),
+  at most ``--max-accumulate`` (an epoch keeps at least 4 steps);
+- async-ps: its parameter server on one host, 2 workers on two others, the coordinator on a fourth.
+
+Each is predicted by ``Strategy.host_step`` from Single's measured step and the probed link. The hosts share this
+machine's cores, so the hosts that compute at once share them too: a host's compute is its share of the batch
+times the hosts computing at once (multi-worker: Single's step on every host; async-ps: each worker's whole
+batch takes workers x Single's step). The table prints measured, predicted and their ratio.
+
+Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 3]
+"""
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/hosts.py: the namespaces as hosts
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar.cluster import traffic
+from keras_cnnpar.plan import scaling
+from tests import hosts
+
+BATCH = 64
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def command(*args):
+    return [sys.executable, "-m", "keras_cnnpar.cli", *map(str, args)]
+
+
+def train(data, model, *args):
+    return command("train", "--model", model, "--data", data, "--batch-size", BATCH, "--results", "results",
+                   "--verbose", "0", *args)
+
+
+def images_per_second(results):
+    """The median images/s of the epochs after the first, in the run's epoch CSV under ``results``."""
+    (epoch_csv,) = Path(results).glob("*_keras_tensorflow_*.csv")
+    with epoch_csv.open(newline="") as file:
+        return statistics.median(float(row["images_per_second"]) for row in list(csv.DictReader(file))[1:])
+
+
+def run_on(net, placed, folder):
+    """Run ``placed`` (host index -> (command, env)) at once, each in ``folder/h<index>``; fail with the output of
+    any that failed."""
+    started = {}
+    for index, (line, env) in placed.items():
+        where = folder / f"h{index}"
+        where.mkdir(parents=True)
+        log = (where / "output.log").open("w")
+        started[index] = net.popen(index, line, cwd=where, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return started
+
+
+def finished(started, folder, timeout=1800):
+    for index, process in started.items():
+        if process.wait(timeout=timeout) != 0:
+            raise RuntimeError(f"host {index} failed:\n{(folder / f'h{index}' / 'output.log').read_text()[-3000:]}")
+
+
+def tf_config(cluster, job, index):
+    return {**ENV, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})}
+
+
+def single(net, data, model, epochs, folder):
+    finished(run_on(net, {0: (train(data, model, "--epochs", epochs), ENV)}, folder), folder)
+    return images_per_second(folder / "h0" / "results")
+
+
+def multi_worker(net, data, model, epochs, folder, workers, accumulate=1):
+    cluster = {"worker": [f"{net.address(i)}:2222" for i in range(workers)]}
+    line = train(data, model, "--strategy", "multi-worker", "--epochs", epochs, "--accumulate", accumulate)
+    finished(run_on(net, {i: (line, tf_config(cluster, "worker", i)) for i in range(workers)}, folder), folder)
+    return images_per_second(folder / "h0" / "results")
+
+
+def async_ps(net, data, model, epochs, folder):
+    cluster = {"ps": [f"{net.address(1)}:2222"], "worker": [f"{net.address(2)}:2222", f"{net.address(3)}:2222"]}
+    spec = folder / "spec.json"
+    folder.mkdir(parents=True)
+    spec.write_text(json.dumps({"cluster": cluster}))
+    servers = run_on(net, {1: (command("cluster", "serve", "--cluster", spec, "--job", "ps", "--index", 0), ENV),
+                           **{2 + i: (command("cluster", "serve", "--cluster", spec, "--job", "worker", "--index", i),
+                                      ENV) for i in range(2)}}, folder / "servers")
+    try:
+        finished(run_on(net, {0: (train(data, model, "--strategy", "async-ps", "--cluster", spec, "--epochs",
+                                        epochs, "--checkpoint-dir", folder / "checkpoints"), ENV)}, folder), folder)
+    finally:
+        for server in servers.values():
+            server.terminate()
+            server.wait(timeout=60)
+    return images_per_second(folder / "h0" / "results")
+
+
+def probe(net, folder):
+    """The link from host 2 to host 1 as ``cnnpar cluster probe`` measures it (servers on both)."""
+    cluster = {"worker": [f"{net.address(2)}:2223"], "ps": [f"{net.address(1)}:2223"]}
+    folder.mkdir(parents=True)
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"cluster": cluster}))
+    servers = run_on(net, {1: (command("cluster", "serve", "--cluster", spec, "--job", "ps", "--index", 0), ENV),
+                           2: (command("cluster", "serve", "--cluster", spec, "--job", "worker", "--index", 0), ENV)},
+                     folder / "servers")
+    try:
+        done = run_on(net, {2: (command("cluster", "probe", "--cluster", spec), ENV)}, folder)
+        finished(done, folder)
+    finally:
+        for server in servers.values():
+            server.terminate()
+            server.wait(timeout=60)
+    printed = (folder / "h2" / "output.log").read_text()
+    rate, latency = re.search(r"slowest link: --link (\d+mbit) --latency ([0-9.]+ms)", printed).groups()
+    return traffic.Link.parse(rate, latency)
+
+
+def kaggle_csv(folder, digits):
+    subprocess.run(command("data", "kaggle", "--out", folder), check=True, capture_output=True, env=ENV)
+    lines = (folder / "train.csv").read_text().splitlines()[:digits + 1]
+    path = folder / f"train_{digits}.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="100mbit,1gbit,unshaped")
+    parser.add_argument("--models", default="2+2,3+3")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--digits", type=int, default=1600)
+    parser.add_argument("--max-accumulate", type=int, default=5)
+    args = parser.parse_args()
+    print(cnnpar.hardware.describe(), flush=True)
+    if reason := hosts.unshapeable():
+        sys.exit(f"cluster_links: {reason}")
+    root = Path(tempfile.mkdtemp(prefix="cnnpar-links-"))
+    data = kaggle_csv(root, args.digits)
+    models = args.models.split(",")
+    rows = []
+    with hosts.Hosts(4) as net:
+        one_host = {model: single(net, data, model, args.epochs, root / f"single-{model}") for model in models}
+    for rate in args.rates.split(","):
+        with hosts.Hosts(4, rate=None if rate == "unshaped" else rate) as net:
+            link = probe(net, root / f"probe-{rate}")
+            print(f"\n{rate}: probed {link}", flush=True)
+            for model in models:
+                rows += measure_model(net, data, model, rate, link, one_host[model], args, root / f"{rate}-{model}")
+    print("\nmodel  link      configuration                 measured  predicted  measured/predicted")
+    for model, rate, name, measured, predicted in rows:
+        print(f"{model:6s} {rate:9s} {name:29s} {measured:8.0f} {predicted:10.0f} {measured / predicted:10.2f}")
+    within = [abs(measured / predicted - 1) <= 0.25 for *_, measured, predicted in rows]
+    print(f"\n{sum(within)} of {len(within)} predictions within 25% of the measured images/s")
+
+
+def measure_model(net, data, model, rate, link, single_images, args, folder):
+    """The rows of ``model`` at one link rate: (model, rate, configuration, measured, predicted)."""
+    step = BATCH / single_images
+    size = scaling.gradient_bytes(cnnpar.models.cnn(model))
+    rows = [(model, rate, "single, 1 host", single_images, single_images)]
+    for workers in (2, 3):
+        predicted = cnnpar.MultiWorker.host_step(workers, workers * step, link, size).images_per_second(BATCH)
+        rows.append((model, rate, f"multi-worker, {workers} hosts",
+                     multi_worker(net, data, model, args.epochs, folder / f"mw{workers}", workers), predicted))
+    advised = scaling.accumulation_for(cnnpar.MultiWorker.host_step(2, 2 * step, link, size),
+                                       scaling.COMMUNICATION_TARGET)
+    k = min(advised, args.max_accumulate)
+    predicted = cnnpar.MultiWorker.host_step(2, 2 * step, link, size, accumulate=k).images_per_second(BATCH)
+    rows.append((model, rate, f"multi-worker, 2 hosts, K={k}",
+                 multi_worker(net, data, model, args.epochs, folder / "mw2k", 2, accumulate=k), predicted))
+    predicted = cnnpar.AsyncPS.host_step(3, 2 * step, link, size).images_per_second(BATCH)
+    rows.append((model, rate, "async-ps, 2 workers + ps",
+                 async_ps(net, data, model, args.epochs, folder / "async"), predicted))
+    for row in rows[1:]:
+        print(f"  {row[2]:29s} measured {row[3]:7.0f} images/s, predicted {row[4]:7.0f}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
