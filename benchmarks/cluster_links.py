@@ -76,6 +76,16 @@ def finished(started, folder, timeout=1800):
             raise RuntimeError(f"host {index} failed:\n{(folder / f'h{index}' / 'output.log').read_text()[-3000:]}")
 
 
+def busiest_link_bytes(net, run):
+    """Run ``run()``; return its result and the bytes the busiest host's link carried in one direction."""
+    before = [net.bytes_moved(i) for i in range(len(net.names))]
+    result = run()
+    moved = [(sent - sent0, received - received0)
+             for (sent, received), (sent0, received0) in zip((net.bytes_moved(i) for i in range(len(net.names))),
+                                                               before)]
+    return result, max(max(pair) for pair in moved)
+
+
 def tf_config(cluster, job, index):
     return {**ENV, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})}
 
@@ -170,25 +180,32 @@ def main():
 
 
 def measure_model(net, data, model, rate, link, single_images, args, folder):
-    """The rows of ``model`` at one link rate: (model, rate, configuration, measured, predicted)."""
+    """The rows of ``model`` at one link rate: (model, rate, configuration, measured, predicted), each also
+    printed with the bytes a step moved on the busiest link, measured (the links' counters over the run, divided
+    by its training steps) and as the prediction counts them."""
     step = BATCH / single_images
     size = scaling.gradient_bytes(cnnpar.models.cnn(model))
-    rows = [(model, rate, "single, 1 host", single_images, single_images)]
-    for workers in (2, 3):
-        predicted = cnnpar.MultiWorker.host_step(workers, workers * step, link, size).images_per_second(BATCH)
-        rows.append((model, rate, f"multi-worker, {workers} hosts",
-                     multi_worker(net, data, model, args.epochs, folder / f"mw{workers}", workers), predicted))
+    steps = args.epochs * (args.digits - args.digits // 5) // BATCH  # validation's bytes count in, a few percent
     advised = scaling.accumulation_for(cnnpar.MultiWorker.host_step(2, 2 * step, link, size),
                                        scaling.COMMUNICATION_TARGET)
     k = min(advised, args.max_accumulate)
-    predicted = cnnpar.MultiWorker.host_step(2, 2 * step, link, size, accumulate=k).images_per_second(BATCH)
-    rows.append((model, rate, f"multi-worker, 2 hosts, K={k}",
-                 multi_worker(net, data, model, args.epochs, folder / "mw2k", 2, accumulate=k), predicted))
-    predicted = cnnpar.AsyncPS.host_step(3, 2 * step, link, size).images_per_second(BATCH)
-    rows.append((model, rate, "async-ps, 2 workers + ps",
-                 async_ps(net, data, model, args.epochs, folder / "async"), predicted))
-    for row in rows[1:]:
-        print(f"  {row[2]:29s} measured {row[3]:7.0f} images/s, predicted {row[4]:7.0f}", flush=True)
+    configurations = [
+        ("multi-worker, 2 hosts", lambda: multi_worker(net, data, model, args.epochs, folder / "mw2", 2),
+         cnnpar.MultiWorker.host_step(2, 2 * step, link, size), traffic.ring_all_reduce(size, 2), steps),
+        ("multi-worker, 3 hosts", lambda: multi_worker(net, data, model, args.epochs, folder / "mw3", 3),
+         cnnpar.MultiWorker.host_step(3, 3 * step, link, size), traffic.ring_all_reduce(size, 3), steps),
+        (f"multi-worker, 2 hosts, K={k}", lambda: multi_worker(net, data, model, args.epochs, folder / "mw2k", 2, k),
+         cnnpar.MultiWorker.host_step(2, 2 * step, link, size, accumulate=k), traffic.ring_all_reduce(size, 2),
+         steps // k),
+        ("async-ps, 2 workers + ps", lambda: async_ps(net, data, model, args.epochs, folder / "async"),
+         cnnpar.AsyncPS.host_step(3, 2 * step, link, size), size, steps),  # the ps link one way
+    ]
+    rows = [(model, rate, "single, 1 host", single_images, single_images)]
+    for name, run, predicted, step_bytes, run_steps in configurations:
+        measured, moved = busiest_link_bytes(net, run)
+        rows.append((model, rate, name, measured, predicted.images_per_second(BATCH)))
+        print(f"  {name:29s} measured {measured:7.0f} images/s, predicted {rows[-1][4]:7.0f}; bytes a step on the "
+              f"busiest link {moved / run_steps / 1e6:6.2f} MB, counted {step_bytes / 1e6:6.2f} MB", flush=True)
     return rows
 
 

@@ -13,6 +13,7 @@ It needs root and ``ip netns``: :func:`unavailable` says why not, for
 """
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -112,6 +113,13 @@ class Hosts:
             _tbf(name, "eth0", rate)
             _tbf(self.switch, f"port{index}", rate)
         self.rate = rate
+
+    def bytes_moved(self, index):
+        """``(sent, received)``: the bytes host ``index``'s link has carried each way since it was made."""
+        listed = subprocess.run(["ip", "-j", "-s", "-n", self.names[index], "link", "show", "dev", "eth0"],
+                                check=True, capture_output=True, text=True)
+        stats = json.loads(listed.stdout)[0]["stats64"]
+        return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
     def link_down(self, index):
         """Cut host ``index`` off the network, as a pulled cable or a dead host does (no packet answers)."""

@@ -27,6 +27,8 @@ hosts | multi-worker efficiency  comm | accumulate images/s  comm | async-ps eff
     4 |          365        10%   90% |       K=35     2846   20% |      611        17%
 adding hosts does not pay: one host is fastest (889 images/s); accumulating K=35 batches per all-reduce (an update \
 of 2240 images) brings communication to 20% of the step on 4 hosts: 2846 images/s
+these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured 0.43-0.88x \
+of them across hosts at 100 Mbit/s and 1 Gbit/s, docs/hosts.md)
 """
 
 import dataclasses
@@ -42,6 +44,9 @@ from keras_cnnpar.runtime.atomic import write_together
 #: Communication share under which the accumulation the table suggests brings a multi-worker step (the
 #: original project's 20-30%: above it, change the parallelism).
 COMMUNICATION_TARGET = 0.2
+#: What the table's figures are, printed under it (docs/hosts.md has the measurements behind it).
+UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
+               "(measured 0.43-0.88x of them across hosts at 100 Mbit/s and 1 Gbit/s, docs/hosts.md)")
 #: The columns of ``scaling.csv``: one row per host count and configuration.
 COLUMNS = ("hosts", "configuration", "images_per_second", "efficiency", "communication_share", "step_seconds")
 
@@ -90,7 +95,7 @@ class Scaling:
                          f"{row.communication_share:5.0%} | {'K=' + more.configuration.split('=')[1]:>10s} "
                          f"{more.images_per_second:8.0f} {more.communication_share:5.0%} | "
                          + (f"{late.images_per_second:8.0f} {late.efficiency:10.0%}" if late else f"{'n/a':>8s}"))
-        lines.append(self.verdict())
+        lines += [self.verdict(), UPPER_BOUND]
         return "\n".join(lines)
 
     def verdict(self):
