@@ -78,8 +78,8 @@ def ring_all_reduce(payload_bytes, hosts):
 @dataclasses.dataclass(frozen=True)
 class HostStep:
     """One step of a strategy across hosts: the seconds it computes and communicates (one after the other:
-    Keras computes the whole gradient before it sends any), and how many such steps run at once (asynchronous
-    workers) on ``images`` images each (the global batch times the micro-batches it accumulates)."""
+    Keras computes the whole gradient before it sends any), how many such steps run at once (asynchronous
+    workers), and how many global batches one step trains on (the micro-batches it accumulates)."""
 
     compute_seconds: float
     communication_seconds: float = 0.0

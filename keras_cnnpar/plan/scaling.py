@@ -1,8 +1,8 @@
 """Predict training across hosts you do not have yet: ``cnnpar plan --hosts N --link RATE``.
 
-One host's step of the global batch is measured on this machine (forward and
-backward of the model, :func:`checks.single_device_step_seconds`), or given
-where the hosts differ from it; the model's gradient bytes are counted; and
+One host's step of the global batch is measured on this machine (a training
+step under Single, as a plan trial times it: :func:`planner.single_step_seconds`),
+or given where the hosts differ from it; the model's gradient bytes are counted; and
 each strategy that trains across hosts predicts its step on 1 to N hosts
 joined by the link (``Strategy.host_step``): MultiWorker computes its share of
 the batch and then all-reduces the whole gradient in a ring, AsyncPS's
