@@ -26,6 +26,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from keras_cnnpar.plan import figures
 from keras_cnnpar.results import runs
 from keras_cnnpar.runtime.atomic import write_together
 from keras_cnnpar.runtime.subprocesses import dying_with_parent, python_command
@@ -192,15 +193,15 @@ def write_report(results_dir):
         raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
                          f"Received: --results {results_dir}")
     markdown = markdown_table(rows) + "\n\n" + provenance_text(recorded)
-    figures = plot(results_dir, rows, recorded)
+    drawn = plot(results_dir, rows, recorded)
     try:
         write_together({
             results_dir / "summary.csv": runs.csv_text(SUMMARY_COLUMNS, [{k: _cell(v) for k, v in row.items()}
                                                                          for row in rows]),
             results_dir / "summary.md": "# Sweep summary\n\n" + markdown + "\n",
-            **{results_dir / name: functools.partial(_save, figure) for name, figure in figures.items()}})
+            **{results_dir / name: functools.partial(_save, figure) for name, figure in drawn.items()}})
     finally:
-        _close(figures.values())
+        _close(drawn.values())
     return rows, markdown
 
 
@@ -234,10 +235,9 @@ def markdown_table(rows):
 def plot(results_dir, rows, recorded):
     """The figures of the summary ``rows`` (and ``runs.csv``'s ``recorded`` rows) by file name: ``accuracy.png``
     (validation accuracy per epoch), ``throughput.png``, ``speedup.png`` and ``efficiency.png``."""
-    import matplotlib
+    from matplotlib import ticker
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot, ticker
+    pyplot = figures.pyplot()
 
     kinds = sorted({r["model"] for r in rows})
     figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
@@ -251,7 +251,7 @@ def plot(results_dir, rows, recorded):
         axis.set(title=runs.model_label(kind), xlabel="epoch", ylabel="validation accuracy")
         axis.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
         axis.legend(fontsize=7)
-    figures = {"accuracy.png": figure}
+    drawn = {"accuracy.png": figure}
     for column, label in (("images_per_second", "images/s"), ("speedup", "speedup vs single"),
                           ("efficiency", "efficiency (speedup / N)")):
         figure, axes = pyplot.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
@@ -262,8 +262,8 @@ def plot(results_dir, rows, recorded):
                 axis.axhline(EFFICIENCY_FLOOR, color="red", linestyle="--", linewidth=1)
             axis.set(title=runs.model_label(kind), ylabel=label)
             axis.tick_params(axis="x", labelsize=7)
-        figures[f"{column.replace('images_per_second', 'throughput')}.png"] = figure
-    return figures
+        drawn[f"{column.replace('images_per_second', 'throughput')}.png"] = figure
+    return drawn
 
 
 def _save(figure, path):
@@ -272,11 +272,9 @@ def _save(figure, path):
     figure.savefig(path, dpi=100, format="png")
 
 
-def _close(figures):
-    from matplotlib import pyplot
-
-    for figure in figures:
-        pyplot.close(figure)
+def _close(drawn):
+    for figure in drawn:
+        figures.pyplot().close(figure)
 
 
 def _number(text):

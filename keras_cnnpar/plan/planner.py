@@ -57,10 +57,10 @@ import tensorflow as tf
 from keras_cnnpar import __version__, strategies
 from keras_cnnpar.engine import fitting
 from keras_cnnpar.keras_compat import rebuild
-from keras_cnnpar.plan import checks, timesplit
-from keras_cnnpar.results import provenance, runs
+from keras_cnnpar.plan import checks, figures, timesplit
+from keras_cnnpar.results import provenance
 from keras_cnnpar.runtime import devices as device_lib
-from keras_cnnpar.runtime.atomic import write_atomic, write_together
+from keras_cnnpar.runtime.atomic import write_atomic
 from keras_cnnpar.strategies import memory, registry
 
 #: Steps of a trial's epoch: one epoch traces the functions, ``TIMED_EPOCHS`` are timed, one more is profiled.
@@ -236,16 +236,10 @@ def choose(model, x, y, *, batch_size=64, devices=None, precision="float32", can
 
 def save(result, folder):
     """Write ``plan.csv`` (one row per configuration) and ``plan.png`` (images/s, and each step's time split)
-    into ``folder``, both or neither (:func:`atomic.write_together`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    folder = Path(folder)
+    into ``folder``, both or neither (:func:`figures.write_table_and_figure`)."""
     measured = [t for t in result.trials if not t.error]
     labels = [t.configuration.replace(" ", "\n", 1) for t in measured]
-    figure, (speed, split) = pyplot.subplots(1, 2, figsize=(12, 4))
+    figure, (speed, split) = figures.pyplot().subplots(1, 2, figsize=(12, 4))
     speed.bar(labels, [t.images_per_second for t in measured],
               color=["tab:blue" if t.eligible else "tab:gray" for t in measured])
     speed.set(title="images/s (gray: parity not passed)", ylabel="images/s")
@@ -259,12 +253,7 @@ def save(result, folder):
     for axis in (speed, split):
         axis.tick_params(axis="x", labelsize=6)
     figure.tight_layout()
-    try:
-        write_together({
-            folder / "plan.csv": runs.csv_text(COLUMNS, [dataclasses.asdict(t) for t in result.trials]),
-            folder / "plan.png": lambda partial: figure.savefig(partial, dpi=100)})
-    finally:
-        pyplot.close(figure)
+    figures.write_table_and_figure(folder, "plan", COLUMNS, [dataclasses.asdict(t) for t in result.trials], figure)
 
 
 def cache_path(key):

@@ -33,13 +33,11 @@ of them across hosts at 100 Mbit/s and 1 Gbit/s, docs/hosts.md)
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 
 from keras_cnnpar import strategies
-from keras_cnnpar.results import runs
-from keras_cnnpar.runtime.atomic import write_together
+from keras_cnnpar.plan import figures
 
 #: Communication share under which the accumulation the table suggests brings a multi-worker step (the
 #: original project's 20-30%: above it, change the parallelism).
@@ -122,13 +120,7 @@ class Scaling:
     def save(self, folder):
         """Write ``scaling.csv`` and ``scaling.png`` (images/s against hosts, beside N times one host's) into
         ``folder``, both or neither."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot
-
-        folder = Path(folder)
-        figure, axis = pyplot.subplots(figsize=(7, 4))
+        figure, axis = figures.pyplot().subplots(figsize=(7, 4))
         hosts = sorted(self.of("multi-worker"))
         axis.plot(hosts, [h * self.batch_size / self.compute_seconds for h in hosts], "k:", label="ideal")
         for name in ("multi-worker", "multi-worker accumulate", "async-ps"):
@@ -138,12 +130,8 @@ class Scaling:
                  yscale="log")
         axis.legend(fontsize=8)
         figure.tight_layout()
-        try:
-            write_together({
-                folder / "scaling.csv": runs.csv_text(COLUMNS, [dataclasses.asdict(p) for p in self.predictions]),
-                folder / "scaling.png": lambda partial: figure.savefig(partial, dpi=100)})
-        finally:
-            pyplot.close(figure)
+        figures.write_table_and_figure(folder, "scaling", COLUMNS, [dataclasses.asdict(p) for p in self.predictions],
+                                       figure)
 
 
 def host_counts(hosts):
