@@ -53,7 +53,7 @@ class AsyncRun(base.Run):
         """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
         finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
         strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
-        async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution)
+        async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution, steps)
         evaluator = _evaluator(prepared) if validation_data is not None else None
 
         def train_epoch(epoch, callback_list):
@@ -100,7 +100,7 @@ class AsyncRun(base.Run):
 class _AsyncLoop:
     """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness."""
 
-    def __init__(self, strategy, connection, model, steps_per_group):
+    def __init__(self, strategy, connection, model, steps_per_group, steps):
         self.tf_strategy, self.coordinator = connection.tf_strategy, connection.coordinator
         self.workers = {"worker": connection.cluster["worker"]}
         self.model, self.steps_per_group = model, steps_per_group
@@ -108,6 +108,9 @@ class _AsyncLoop:
         with self.tf_strategy.scope():
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
             self.begun = tf.Variable(0, dtype=tf.int64, trainable=False, name="begun_updates")
+            # Per group of an epoch of ``steps``, how many of its steps landed: a group run again starts after them.
+            self.landed = tf.Variable(tf.zeros([math.ceil(steps / steps_per_group)], tf.int32), trainable=False,
+                                      name="landed_per_group")
         self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
         self._steps = self._traced_steps()  # traced at its first call
 
@@ -121,6 +124,7 @@ class _AsyncLoop:
         applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
         counted_before = int(iterations.numpy())
         groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
+        self.landed.assign(tf.zeros_like(self.landed))
         results = []
         while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
             results.append(self._schedule(iterator, *groups.pop(0), decay=0.0))  # nothing to average yet
@@ -132,7 +136,7 @@ class _AsyncLoop:
         # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
         # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
         iterations.assign(counted_before + applied)
-        loss, staleness, size = np.concatenate([r.fetch() for r in results]).T
+        loss, staleness, size = np.concatenate([r.fetch() for r in results]).T  # the steps of each group's last run
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
         return {**logs, "loss": float(np.average(loss, weights=size)), "staleness_mean": float(staleness.mean()),
                 "staleness_max": float(staleness.max()), "steps_applied": float(applied),
@@ -140,7 +144,12 @@ class _AsyncLoop:
 
     def _schedule(self, iterator, first, size, decay):
         """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker, each
-        moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result."""
+        moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result.
+
+        ``ClusterCoordinator`` runs a group again, on another worker, when the worker that ran it fails; the
+        run starts after the steps of the group that had landed (``landed``), so each step's update is
+        applied once. (A worker that dies between a step's update and its count, a few operations apart,
+        would leave that one update applied twice.)"""
         return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
                                                              tf.constant(size, tf.int32), tf.constant(decay)))
 
@@ -148,10 +157,10 @@ class _AsyncLoop:
         """One ``tf.function`` for groups of any size: the steps run in a loop inside it, not unrolled, so every
         worker compiles one step's graph once (not a group-sized graph per size)."""
         model, tf_strategy, average = self.model, self.tf_strategy, self.average
-        applied, begun = self.applied, self.begun
+        applied, begun, landed, steps_per_group = self.applied, self.begun, self.landed, self.steps_per_group
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
-        def one_step(batch, decay):
+        def one_step(batch, decay, group):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             seen = applied.read_value()  # updates that had landed: all are in the weights this step reads
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
@@ -170,6 +179,7 @@ class _AsyncLoop:
             with tf.control_dependencies(update):
                 average.follow(decay)
                 applied.assign_add(1)  # only now: a step that reads the weights after this count finds the update
+                landed.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), tf.reshape(group, [1])))
             _add_metrics(model, x, y, y_pred, sample_weight)
             examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
             return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
@@ -177,13 +187,17 @@ class _AsyncLoop:
         @tf.function(autograph=False)  # as Keras's own steps (do_not_convert): no conversion of the model's calls
         def steps(iterator, first, size, decay):
             epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
+            group = first // steps_per_group
+            start = landed.sparse_read(group)  # a run again after a lost worker skips the steps that landed
 
             def step(i, results):
                 batch = _IndexedBatches.batch(epoch, first + i)
-                return i + 1, results.write(i, tf.cast(tf_strategy.run(one_step, args=(batch, decay)), tf.float32))
+                result = tf_strategy.run(one_step, args=(batch, decay, group))
+                return i + 1, results.write(i - start, tf.cast(result, tf.float32))
 
             _, results = tf.while_loop(lambda i, _: i < size, step,
-                                       (tf.constant(0), tf.TensorArray(tf.float32, size=size)))
+                                       (start, tf.TensorArray(tf.float32, size=size - start,
+                                                              element_shape=tf.TensorShape([3]))))
             return results.stack()
 
         return steps

@@ -30,7 +30,8 @@ class AsyncPS(CheckpointedStrategy):
     workers. Each scheduled group names its batches (the epoch's next
     ``steps_per_execution``, in order), so an epoch trains on every batch once,
     as under ``Single``, whichever worker runs which group, and a group that
-    a lost worker left unfinished runs again on its own batches elsewhere.
+    a lost worker left unfinished runs again on its own batches elsewhere,
+    from its first step that had not landed: each step's update is applied once.
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
@@ -147,23 +148,23 @@ class AsyncPS(CheckpointedStrategy):
 
     @classmethod
     def host_step(cls, hosts, compute_seconds, link, gradient_bytes, ps=1):
-        """``hosts - ps`` workers, each on a host of its own: a worker reads every variable, computes the whole
-        batch's step and writes its gradient (both over its link, one after the other), while the others do the
-        same; the parameter servers' links carry every worker's reads and writes, ``1 / ps`` of them each, which
-        bounds how many steps they serve at once. None without a host for a worker.
+        """``hosts - ps`` workers, each on a host of its own, that move in step: they all read every variable at
+        once, sharing the parameter servers' links (each carries ``1 / ps`` of the variables), compute the whole
+        batch's step, and all write their gradients at once. None without a host for a worker.
+
+        Measured across namespace hosts (docs/hosts.md): the parameter server's link carried its bytes at under
+        half its rate, so the workers' reads and writes do not interleave; a step waits for every worker's
+        bytes in both directions, one after the other.
 
         >>> step = AsyncPS.host_step(3, 0.072, traffic.Link.parse("1gbit"), 13_000_000)
-        >>> round(step.communication_seconds, 3), round(step.parallel_steps, 2), round(step.images_per_second(64))
-        (0.208, 2.0, 457)
-        >>> round(AsyncPS.host_step(5, 0.072, traffic.Link.parse("1gbit"), 13_000_000).parallel_steps, 2)
-        2.69
+        >>> round(step.communication_seconds, 3), step.parallel_steps, round(step.images_per_second(64))
+        (0.416, 2, 262)
         """
         workers = hosts - ps
         if workers < 1:
             return None
-        communication = link.seconds(2 * gradient_bytes, rounds=2)
-        served = (compute_seconds + communication) / link.seconds(gradient_bytes / ps)
-        return traffic.HostStep(compute_seconds, communication, parallel_steps=float(min(workers, served)))
+        communication = link.seconds(2 * workers * gradient_bytes / ps, rounds=2)
+        return traffic.HostStep(compute_seconds, communication, parallel_steps=workers)
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
                  warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints",
