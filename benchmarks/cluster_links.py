@@ -12,12 +12,16 @@ epochs; images/s is the median of the epochs after the first), runs:
   at most ``--max-accumulate`` (an epoch keeps at least 4 steps);
 - async-ps: its parameter server on one host, 2 workers on two others, the coordinator on a fourth.
 
-Each is predicted by ``Strategy.host_step`` from Single's measured step and the probed link. The hosts share this
-machine's cores, so the hosts that compute at once share them too: a host's compute is its share of the batch
-times the hosts computing at once (multi-worker: Single's step on every host; async-ps: each worker's whole
-batch takes workers x Single's step). The table prints measured, predicted and their ratio.
+Each is predicted by ``Strategy.host_step`` from Single's measured step and the probed link (the link alone: an upper
+bound), and calibrated as ``cnnpar plan --hosts --measured`` calibrates it: the unshaped link runs first, and its
+multi-worker (2 hosts) and async-ps figures give each strategy's transport time a step beyond the link's bytes
+(``HostStep.transport_to``), added to every other prediction of that model (``HostStep.with_transport``). The
+hosts share this machine's cores, so the hosts that compute at once share them too: a host's compute is its share
+of the batch times the hosts computing at once (multi-worker: Single's step on every host; async-ps: each worker's
+whole batch takes workers x Single's step). The table prints measured, predicted from the link alone, calibrated,
+and measured over calibrated; the last line counts the calibrated predictions at shaped rates within 25%.
 
-Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 3]
+Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 5]
 """
 
 import argparse
@@ -39,6 +43,8 @@ from keras_cnnpar.plan import scaling
 from tests import hosts
 
 BATCH = 64
+#: The runs on the unshaped link that calibrate each strategy's transport.
+CALIBRATED_BY = ("multi-worker, 2 hosts", "async-ps, 2 workers + ps")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -153,7 +159,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="100mbit,1gbit,unshaped")
     parser.add_argument("--models", default="2+2,3+3")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--digits", type=int, default=1600)
     parser.add_argument("--max-accumulate", type=int, default=5)
     args = parser.parse_args()
@@ -166,48 +172,66 @@ def main():
     rows = []
     with hosts.Hosts(4) as net:
         one_host = {model: single(net, data, model, args.epochs, root / f"single-{model}") for model in models}
-    for rate in args.rates.split(","):
+    transports = {}
+    rates = sorted(args.rates.split(","), key=lambda rate: rate != "unshaped")  # the calibration first
+    for rate in rates:
         with hosts.Hosts(4, rate=None if rate == "unshaped" else rate) as net:
             link = probe(net, root / f"probe-{rate}")
             print(f"\n{rate}: probed {link}", flush=True)
             for model in models:
-                rows += measure_model(net, data, model, rate, link, one_host[model], args, root / f"{rate}-{model}")
-    print("\nmodel  link      configuration                 measured  predicted  measured/predicted")
-    for model, rate, name, measured, predicted in rows:
-        print(f"{model:6s} {rate:9s} {name:29s} {measured:8.0f} {predicted:10.0f} {measured / predicted:10.2f}")
-    within = [abs(measured / predicted - 1) <= 0.25 for *_, measured, predicted in rows]
-    print(f"\n{sum(within)} of {len(within)} predictions within 25% of the measured images/s")
+                measured = measure_model(net, data, model, link, one_host[model], transports.get(model, {}), args,
+                                         root / f"{rate}-{model}")
+                if rate == "unshaped":
+                    transports[model] = {alias: step.transport_to(images, BATCH)
+                                         for name, alias, step, images in measured if name in CALIBRATED_BY}
+                    said = ", ".join(f"{alias} {seconds * 1e3:+.1f} ms" for alias, seconds in transports[model].items())
+                    print(f"  {model} calibrated, TensorFlow's transport a step beyond the link: {said}", flush=True)
+                rows += [(model, rate, name, images, step.images_per_second(BATCH),
+                          step.with_transport(transports.get(model, {}).get(alias, 0.0)).images_per_second(BATCH))
+                         for name, alias, step, images in measured]
+    print("\nmodel  link      configuration                 measured  link only  calibrated  measured/calibrated")
+    for model, rate, name, measured, link_only, calibrated in rows:
+        print(f"{model:6s} {rate:9s} {name:29s} {measured:8.0f} {link_only:10.0f} {calibrated:11.0f} "
+              f"{measured / calibrated:10.2f}")
+    shaped = [abs(calibrated / measured - 1) <= 0.25 for model, rate, name, measured, _, calibrated in rows
+              if rate != "unshaped" and not name.startswith("single")]
+    print(f"\n{sum(shaped)} of {len(shaped)} calibrated predictions at shaped rates within 25% of the measured "
+          f"images/s" + ("" if "unshaped" in rates else " (uncalibrated: --rates has no unshaped link)"))
 
-
-def measure_model(net, data, model, rate, link, single_images, args, folder):
-    """The rows of ``model`` at one link rate: (model, rate, configuration, measured, predicted), each also
-    printed with the bytes a step moved on the busiest link, measured (the links' counters over the run, divided
-    by its training steps) and as the prediction counts them."""
+def measure_model(net, data, model, link, single_images, transport, args, folder):
+    """The runs of ``model`` at one link rate: (configuration, strategy alias, predicted ``HostStep`` from the link
+    alone, measured images/s), each also printed with the bytes a step moved on the busiest link, measured (the
+    links' counters over the run, divided by its training steps) and as the prediction counts them. The
+    accumulation is the one the prediction advises, calibrated with ``transport`` where there is one."""
     step = BATCH / single_images
     size = scaling.gradient_bytes(cnnpar.models.cnn(model))
     steps = args.epochs * (args.digits - args.digits // 5) // BATCH  # validation's bytes count in, a few percent
-    advised = scaling.accumulation_for(cnnpar.MultiWorker.host_step(2, 2 * step, link, size),
+    synced = cnnpar.MultiWorker.host_step(2, 2 * step, link, size)
+    advised = scaling.accumulation_for(synced.with_transport(transport.get("multi-worker", 0.0)),
                                        scaling.COMMUNICATION_TARGET)
     k = min(advised, args.max_accumulate)
     configurations = [
-        ("multi-worker, 2 hosts", lambda: multi_worker(net, data, model, args.epochs, folder / "mw2", 2),
-         cnnpar.MultiWorker.host_step(2, 2 * step, link, size), traffic.ring_all_reduce(size, 2), steps),
-        ("multi-worker, 3 hosts", lambda: multi_worker(net, data, model, args.epochs, folder / "mw3", 3),
+        ("multi-worker, 2 hosts", "multi-worker",
+         lambda: multi_worker(net, data, model, args.epochs, folder / "mw2", 2), synced,
+         traffic.ring_all_reduce(size, 2), steps),
+        ("multi-worker, 3 hosts", "multi-worker",
+         lambda: multi_worker(net, data, model, args.epochs, folder / "mw3", 3),
          cnnpar.MultiWorker.host_step(3, 3 * step, link, size), traffic.ring_all_reduce(size, 3), steps),
-        (f"multi-worker, 2 hosts, K={k}", lambda: multi_worker(net, data, model, args.epochs, folder / "mw2k", 2, k),
+        (f"multi-worker, 2 hosts, K={k}", "multi-worker",
+         lambda: multi_worker(net, data, model, args.epochs, folder / "mw2k", 2, k),
          cnnpar.MultiWorker.host_step(2, 2 * step, link, size, accumulate=k), traffic.ring_all_reduce(size, 2),
          steps // k),
-        ("async-ps, 2 workers + ps", lambda: async_ps(net, data, model, args.epochs, folder / "async"),
+        ("async-ps, 2 workers + ps", "async-ps", lambda: async_ps(net, data, model, args.epochs, folder / "async"),
          cnnpar.AsyncPS.host_step(3, 2 * step, link, size), size, steps),  # the ps link one way
     ]
-    rows = [(model, rate, "single, 1 host", single_images, single_images)]
-    for name, run, predicted, step_bytes, run_steps in configurations:
-        measured, moved = busiest_link_bytes(net, run)
-        rows.append((model, rate, name, measured, predicted.images_per_second(BATCH)))
-        print(f"  {name:29s} measured {measured:7.0f} images/s, predicted {rows[-1][4]:7.0f}; bytes a step on the "
-              f"busiest link {moved / run_steps / 1e6:6.2f} MB, counted {step_bytes / 1e6:6.2f} MB", flush=True)
-    return rows
-
+    measured = [("single, 1 host", "single", cnnpar.Single.host_step(1, step, link, size), single_images)]
+    for name, alias, run, predicted, step_bytes, run_steps in configurations:
+        images, moved = busiest_link_bytes(net, run)
+        measured.append((name, alias, predicted, images))
+        print(f"  {name:29s} measured {images:7.0f} images/s, from the link {predicted.images_per_second(BATCH):7.0f}; "
+              f"bytes a step on the busiest link {moved / run_steps / 1e6:6.2f} MB, counted {step_bytes / 1e6:6.2f} MB",
+              flush=True)
+    return measured
 
 if __name__ == "__main__":
     main()

@@ -550,8 +550,12 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
 @click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=None,
               help="For --hosts: one host's step of the global batch in seconds, where the hosts differ from this "
                    "machine (default: measured here).")
+@click.option("--measured", "measured_runs", multiple=True, metavar="CONFIGURATION:HOSTS=IMAGES/S",
+              help="For --hosts: images/s a run over this link measured, e.g. multi-worker:2=294 or async-ps:3=199 "
+                   "(its parameter server's host and 2 workers'); calibrates that configuration's predictions with "
+                   "TensorFlow's transport time (repeatable).")
 def plan_command(model_kind, devices, batch_size, source, data_dir, precision, out_dir, force, fresh, hosts, link,
-                 latency, step_seconds):
+                 latency, step_seconds, measured_runs):
     """Measure every configuration the devices allow on a model and rank them: images/s, speedup, where the step's
     time goes (compute, communication, input, idle), memory per device, first-step parity, and advice.
 
@@ -562,10 +566,20 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     With --hosts N --link RATE it predicts instead, for hosts joined by that link,
     from one host's step measured here (or --step-seconds) and the model's
     gradient bytes: where adding hosts stops paying (--out writes scaling.csv
-    and scaling.png).
+    and scaling.png); --measured runs calibrate it.
+
+    Run on every host of a cluster (cnnpar launch, srun, or TF_CONFIG on each),
+    it measures single, multi-worker and multi-worker accumulating there, each
+    beside its prediction; the chief prints the table.
     """
     _quiet_tensorflow()
-    cluster_link = _link(hosts, link, latency, step_seconds)
+    cluster_link = _link(hosts, link, latency, step_seconds, measured_runs)
+    measured = _measured(measured_runs)
+    on_cluster = hosts is None and environments.detect() is not None
+    if on_cluster:
+        from keras_cnnpar import strategies
+
+        cluster_strategy = strategies.create("multi-worker", checkpoint_dir=None)  # joins before any tensor
     outputs = ("scaling.csv", "scaling.png") if hosts else ("plan.csv", "plan.png")
     if out_dir is not None:
         _refuse_to_overwrite([os.path.join(out_dir, name) for name in outputs], force)
@@ -578,7 +592,8 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     from keras_cnnpar.zoo import data as data_lib
     from keras_cnnpar.zoo import models
 
-    click.echo(device_lib.describe(device_lib.configure(1 if hosts else devices)))
+    click.echo(device_lib.describe(device_lib.configure(
+        cluster_strategy.local_devices if on_cluster else 1 if hosts else devices)))
     try:
         digits = data_lib.load(source, data_dir=data_dir)
     except data_lib.DataError as error:
@@ -586,7 +601,10 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     keras.utils.set_random_seed(0)
     model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
     if hosts:
-        _plan_hosts(model, model_kind, digits, batch_size, hosts, cluster_link, step_seconds, out_dir)
+        _plan_hosts(model, model_kind, digits, batch_size, hosts, cluster_link, step_seconds, measured, out_dir)
+        return
+    if on_cluster:
+        _plan_on_cluster(model, model_kind, digits, batch_size, precision, cluster_strategy, out_dir)
         return
     result = planner.plan(model, digits.x, digits.y, batch_size=batch_size, devices=devices,
                           precision=hardware.auto_precision() if precision == "auto" else precision,
@@ -604,10 +622,11 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
         click.echo(f"wrote plan.csv and plan.png in {out_dir}")
 
 
-def _link(hosts, link, latency, step_seconds):
+def _link(hosts, link, latency, step_seconds, measured_runs):
     """The link of ``plan --hosts``, or None without --hosts; a one-line refusal where the options disagree."""
     if hosts is None:
-        given = [name for name, value in (("--link", link), ("--step-seconds", step_seconds)) if value is not None]
+        given = [name for name, value in (("--link", link), ("--step-seconds", step_seconds),
+                                          ("--measured", measured_runs or None)) if value is not None]
         if given:
             raise Refused(f"{given[0]} is for --hosts: add --hosts N to predict training on N hosts")
         return None
@@ -621,13 +640,50 @@ def _link(hosts, link, latency, step_seconds):
         raise Refused(f"--link/--latency: {error}") from None
 
 
-def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds, out_dir):
+def _plan_on_cluster(model, model_kind, digits, batch_size, precision, strategy, out_dir):
+    """``cnnpar plan`` on every host of a cluster: single, multi-worker and multi-worker accumulating, measured on
+    the hosts (see :mod:`keras_cnnpar.plan.across_hosts`); the chief prints the table and writes --out."""
+    from keras_cnnpar.plan import across_hosts
+    from keras_cnnpar.runtime import hardware
+
+    result = across_hosts.plan(model, digits.x, digits.y, strategy, name=model_kind, batch_size=batch_size,
+                               precision=hardware.auto_precision() if precision == "auto" else precision,
+                               log=(lambda line: click.echo(line, err=True)) if strategy.is_chief else _print_nothing)
+    if not strategy.is_chief:
+        return
+    click.echo(result.table())
+    click.echo(f"\nfor more hosts: {result.hosts_command()}")
+    if out_dir is not None:
+        try:
+            with atomic.made_folder(out_dir):
+                result.save(out_dir)
+        except OSError as error:
+            raise _not_written(error, out_dir, "--out", "neither plan.csv nor plan.png was written") from None
+        click.echo(f"wrote plan.csv and plan.png in {out_dir}")
+
+
+def _print_nothing(line):
+    """A log that keeps the line to itself: the workers of a cluster plan leave the printing to the chief."""
+
+
+def _measured(measured_runs):
+    """The runs of ``plan --hosts --measured`` (:class:`scaling.Measured`); a one-line refusal for one that does not
+    read."""
+    from keras_cnnpar.plan import scaling
+
+    try:
+        return [scaling.Measured.parse(text) for text in measured_runs]
+    except ValueError as error:
+        raise Refused(f"--measured: {error}") from None
+
+
+def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds, measured, out_dir):
     """``cnnpar plan --hosts``: the predicted scaling table of ``model`` (see :mod:`keras_cnnpar.plan.scaling`)."""
     from keras_cnnpar.plan import planner, scaling
 
     if step_seconds is None:
         step_seconds = planner.single_step_seconds(model, digits.x, digits.y, batch_size=batch_size)
-    result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind)
+    result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind, measured=measured)
     click.echo(result.text())
     if out_dir is not None:
         try:

@@ -23,7 +23,7 @@ from keras_cnnpar.results import runs
 from keras_cnnpar.zoo import models
 from keras_cnnpar.zoo.names import MODEL_NAMES
 from tests import hosts
-from tests.helpers import ENV, cnnpar_command, epoch_column, held, read_rows, release, wait_for_epoch_rows
+from tests.helpers import ENV, cnnpar_command, epoch_column, held, read_rows, release, run_cli, wait_for_epoch_rows
 
 UNAVAILABLE = hosts.unavailable()
 pytestmark = [pytest.mark.slow,  # processes in network namespaces
@@ -82,6 +82,42 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
     assert share["50mbit"] > share["1gbit"], share
     communication = share["50mbit"] * float(traced["50mbit"]["step_seconds"])
     assert communication >= 0.8 * wire["50mbit"], (communication, wire)
+
+
+def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
+    """``cnnpar plan`` on each of two hosts joined at 1 Gbit/s (a TF_CONFIG on each): the link as the all-reduces
+    saw it is at most the shaped rate; the chief prints single, multi-worker and multi-worker accumulating the
+    advised K, fastest first, each beside its prediction (multi-worker's from the link alone is an upper bound);
+    accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
+    multi-worker figure; only the chief writes --out."""
+    if reason := hosts.unshapeable():
+        pytest.skip(reason)
+    with hosts.Hosts(2, rate="1gbit") as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        line = cnnpar_command("plan", "--model", "3+3", "--data", small_csv, "--out", "planned")
+        started = [start(net, i, line, tmp_path / f"host{i}", worker_env(spec, i)) for i in range(2)]
+        codes = [process.wait(timeout=300) for process in started]
+    printed = output(tmp_path / "host0")
+    assert codes == [0, 0], printed[-3000:] + output(tmp_path / "host1")[-3000:]
+    rate = float(re.search(r"the link as TensorFlow's all-reduce sees it: ([0-9.]+)mbit", printed)[1])
+    assert rate <= 1.1e3, printed
+    rows = read_rows(tmp_path / "host0" / "planned" / "plan.csv")
+    measured = [float(row["images_per_second"]) for row in rows]
+    assert measured == sorted(measured, reverse=True)  # ranked by what was measured
+    assert sorted(row["configuration"].split(", K=")[0] for row in rows) == [
+        "multi-worker, 2 hosts", "multi-worker, 2 hosts", "single, 1 host"]
+    synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")
+    assert float(synced["predicted_images_per_second"]) >= float(synced["images_per_second"])
+    k = int(re.search(r"accumulate=(\d+) \(one all-reduce per", synced["advice"])[1])
+    accumulated = next(row for row in rows if row["configuration"] == f"multi-worker, 2 hosts, K={k}")
+    assert float(accumulated["images_per_second"]) > float(synced["images_per_second"])
+    command = re.search(r"for more hosts: cnnpar (plan .*)", printed)[1].split()
+    larger = run_cli(*command)
+    assert larger.exit_code == 0, larger.output
+    two_hosts = float(next(line.split("|")[1].split()[0] for line in larger.output.splitlines()
+                            if line.startswith("    2 |")))
+    assert two_hosts == pytest.approx(float(synced["images_per_second"]), rel=0.01)
+    assert not (tmp_path / "host1" / "planned").exists()
 
 
 def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path):

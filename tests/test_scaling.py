@@ -35,11 +35,10 @@ def test_each_strategys_step_across_hosts_is_its_compute_share_then_its_bytes_ov
     assert (accumulated.compute_seconds, accumulated.images_factor) == (pytest.approx(0.06), 3)
     assert accumulated.images_per_second(64) == pytest.approx(3 * 64 / (0.06 + synced.communication_seconds))
     late = cnnpar.AsyncPS.host_step(4, 0.08, link, 10**7)  # 3 workers and the parameter server's host
-    assert late.communication_seconds == pytest.approx(8 * 2 * 10**7 / 1e9 + 2 * 0.0005)  # read, then write
-    assert late.parallel_steps == 3  # each worker's step apart, the parameter server's link serves them all
-    crowded = cnnpar.AsyncPS.host_step(5, 0.08, link, 10**7)  # 4 workers: more than its link carries
-    assert crowded.parallel_steps == pytest.approx((0.08 + late.communication_seconds) / (8 * 10**7 / 1e9))
-    assert cnnpar.AsyncPS.host_step(6, 0.08, link, 10**7, ps=2).parallel_steps == 4  # two links carry half each
+    assert late.communication_seconds == pytest.approx(8 * 2 * 3 * 10**7 / 1e9 + 2 * 0.0005)  # all read, all write
+    assert late.parallel_steps == 3
+    halves = cnnpar.AsyncPS.host_step(6, 0.08, link, 10**7, ps=2)  # 4 workers; two links carry half the bytes each
+    assert halves.communication_seconds == pytest.approx(8 * 2 * 4 * 10**7 / 2 / 1e9 + 2 * 0.0005)
     assert cnnpar.AsyncPS.host_step(1, 0.08, link, 10**7) is None
     assert cnnpar.Single.host_step(1, 0.08, link, 10**7).images_per_second(64) == pytest.approx(800)
     assert cnnpar.DataParallel.host_step(2, 0.08, link, 10**7) is None  # one host's devices only
@@ -75,8 +74,36 @@ def test_plan_for_hosts_measures_one_hosts_step_here_when_none_is_given(tmp_path
     assert synced == pytest.approx(64 / (step / 2 + wire), rel=0.01)  # the table is made from the measured step
 
 
+def test_measured_runs_calibrate_their_configurations_predictions_with_the_transport_time_they_show(tmp_path):
+    link = traffic.Link.parse("1gbit", "0.1ms")
+    synced, late = (cnnpar.MultiWorker.host_step(2, 0.072, link, BYTES_2_2),
+                    cnnpar.AsyncPS.host_step(3, 0.072, link, BYTES_2_2))
+    added = {"multi-worker": 64 / 294 - synced.seconds, "async-ps": 2 * 64 / 199 - late.seconds}  # by hand
+    result = run_cli("plan", "--model", "2+2", "--hosts", "4", "--link", "1gbit", "--step-seconds", "0.072",
+                     "--measured", "multi-worker:2=294", "--measured", "async-ps:3=199", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = {(int(r["hosts"]), r["configuration"].split(" K=")[0]): r
+            for r in csv.DictReader((tmp_path / "out" / "scaling.csv").open())}
+    assert float(rows[2, "multi-worker"]["images_per_second"]) == pytest.approx(294)  # the measured run, predicted
+    assert float(rows[3, "async-ps"]["images_per_second"]) == pytest.approx(199)
+    four = cnnpar.MultiWorker.host_step(4, 0.072, link, BYTES_2_2)
+    assert float(rows[4, "multi-worker"]["step_seconds"]) == pytest.approx(four.seconds + added["multi-worker"])
+    assert float(rows[4, "async-ps"]["step_seconds"]) == pytest.approx(
+        cnnpar.AsyncPS.host_step(4, 0.072, link, BYTES_2_2).seconds + added["async-ps"])
+    assert float(rows[1, "multi-worker"]["images_per_second"]) == pytest.approx(64 / 0.072)  # one host sends nothing
+    accumulated = rows[4, "multi-worker accumulate"]
+    assert float(accumulated["communication_share"]) <= scaling.COMMUNICATION_TARGET
+    assert (f"calibrated with the measured runs: TensorFlow's transport adds {added['multi-worker'] * 1e3:.0f} ms to "
+            f"multi-worker, {added['async-ps'] * 1e3:.0f} ms to async-ps a step") in result.output
+
+
 @pytest.mark.parametrize("given, said", [
     (["--link", "1gbit"], "Error: --link is for --hosts: add --hosts N to predict training on N hosts"),
+    (["--measured", "multi-worker:2=294"], "Error: --measured is for --hosts: add --hosts N to predict training on "
+     "N hosts"),
+    (["--hosts", "4", "--link", "1gbit", "--step-seconds", "0.07", "--measured", "mirrored:2=900"],
+     "Error: --measured: expected CONFIGURATION:HOSTS=IMAGES/S, as multi-worker:2=294 (configurations: multi-worker, "
+     "async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'"),
     (["--hosts", "4"], "Error: --hosts needs --link RATE, the hosts' link rate: 100mbit, 1gbit or 10gbit, say"),
     (["--hosts", "4", "--link", "1gbit", "--latency", "soon"], "Error: --link/--latency: link latency: expected a "
      "number and one of the units s, ms, us (0.1ms, 50us); received 'soon'"),

@@ -353,19 +353,27 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
 
 
 def _images_per_second(model, strategy, x, y, batch_size, precision, timer=None):
-    """Train a copy of ``model`` under ``strategy`` for a trial's epochs; the median images/s of the timed ones."""
+    """Train a copy of ``model`` under ``strategy`` for a trial's epochs; the median images/s of the timed ones (a
+    step of a strategy that accumulates trains on ``accumulate`` global batches)."""
     timer = timer or _TrialTimer(devices=strategy.num_devices)
     copy = rebuild.rebuild(model, scope=contextlib.nullcontext())
     fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
                 steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision, callbacks=[timer])
-    return TRIAL_STEPS * batch_size / statistics.median(timer.seconds[1:-1])
+    return TRIAL_STEPS * batch_size * strategy.accumulate / statistics.median(timer.seconds[1:-1])
+
+
+def trial_images_per_second(model, strategy, x, y, *, batch_size=64, precision="float32"):
+    """The images/s of ``strategy`` training a copy of ``model`` on ``x``, ``y`` as a trial times it: the median of
+    its timed epochs."""
+    x, y = _trial_data(x, y, batch_size * strategy.accumulate)
+    return _images_per_second(model, strategy, x, y, batch_size, precision)
 
 
 def single_step_seconds(model, x, y, *, batch_size=64, precision="float32"):
-    """Seconds of one training step of the global batch under Single on this machine, as a trial times it (the
-    median of its timed epochs): one host's step in :mod:`keras_cnnpar.plan.scaling`'s predictions."""
-    x, y = _trial_data(x, y, batch_size)
-    return batch_size / _images_per_second(model, strategies.Single(), x, y, batch_size, precision)
+    """Seconds of one training step of the global batch under Single on this machine, as a trial times it: one
+    host's step in :mod:`keras_cnnpar.plan.scaling`'s predictions."""
+    return batch_size / trial_images_per_second(model, strategies.Single(), x, y, batch_size=batch_size,
+                                                precision=precision)
 
 
 def contenders(trials):

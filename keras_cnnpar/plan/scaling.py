@@ -6,8 +6,10 @@ or given where the hosts differ from it; the model's gradient bytes are counted;
 each strategy that trains across hosts predicts its step on 1 to N hosts
 joined by the link (``Strategy.host_step``): MultiWorker computes its share of
 the batch and then all-reduces the whole gradient in a ring, AsyncPS's
-workers each read the weights and write a gradient per step through the
-parameter server's link. The table gives the predicted images/s, the scaling
+workers all read the weights, then all write a gradient, through the
+parameter server's link. Runs measured over the same link (``--measured``,
+:class:`Measured`) calibrate their configuration with the time TensorFlow's
+transport adds to a step. The table gives the predicted images/s, the scaling
 efficiency (images/s over N times one host's) and the communication share,
 and says where adding hosts stops paying.
 
@@ -23,16 +25,19 @@ link: 1gbit, 0 ms latency
 hosts | multi-worker efficiency  comm | accumulate images/s  comm | async-ps efficiency
     1 |          889       100%    0% |        K=1      889    0% |      n/a
     2 |          455        26%   74% |       K=12     1431   20% |      227        13%
-    3 |          391        15%   85% |       K=24     2146   20% |      455        17%
-    4 |          365        10%   90% |       K=35     2846   20% |      611        17%
+    3 |          391        15%   85% |       K=24     2146   20% |      261        10%
+    4 |          365        10%   90% |       K=35     2846   20% |      274         8%
 adding hosts does not pay: one host is fastest (889 images/s); accumulating K=35 batches per all-reduce (an update \
 of 2240 images) brings communication to 20% of the step on 4 hosts: 2846 images/s
-these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured 0.43-0.88x \
-of them across hosts at 100 Mbit/s and 1 Gbit/s, docs/hosts.md)
+these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured \
+0.35-0.98x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
+calibrates them
 """
 
 import dataclasses
 import math
+import re
+import statistics
 
 import numpy as np
 
@@ -42,9 +47,15 @@ from keras_cnnpar.plan import figures
 #: Communication share under which the accumulation the table suggests brings a multi-worker step (the
 #: original project's 20-30%: above it, change the parallelism).
 COMMUNICATION_TARGET = 0.2
-#: What the table's figures are, printed under it (docs/hosts.md has the measurements behind it).
+#: What the table's figures are without a measured run, printed under it (docs/hosts.md has the measurements).
 UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
-               "(measured 0.43-0.88x of them across hosts at 100 Mbit/s and 1 Gbit/s, docs/hosts.md)")
+               "(measured 0.35-0.98x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
+               "from a run over this link, calibrates them")
+#: What the table's figures are with measured runs (docs/hosts.md: how the calibration was checked).
+CALIBRATED = ("calibrated with the measured runs: TensorFlow's transport adds {added} a step beyond the link's "
+              "bytes and latency ({checked}, docs/hosts.md)")
+#: How well the calibrated figures held across link rates, in ``benchmarks/cluster_links.py``.
+CALIBRATION_CHECKED = "14 of 16 configurations within 25% of their measured images/s at 100 Mbit/s and 1 Gbit/s"
 #: The columns of ``scaling.csv``: one row per host count and configuration.
 COLUMNS = ("hosts", "configuration", "images_per_second", "efficiency", "communication_share", "step_seconds")
 
@@ -72,6 +83,8 @@ class Scaling:
     batch_size: int
     link: object
     predictions: list
+    #: Seconds of TensorFlow's transport a step, by configuration, from the measured runs (``--measured``).
+    transport: dict = dataclasses.field(default_factory=dict)
 
     def of(self, configuration):
         """The predictions of ``configuration`` (``multi-worker``, ``async-ps``, ``multi-worker accumulate``),
@@ -93,7 +106,8 @@ class Scaling:
                          f"{row.communication_share:5.0%} | {'K=' + more.configuration.split('=')[1]:>10s} "
                          f"{more.images_per_second:8.0f} {more.communication_share:5.0%} | "
                          + (f"{late.images_per_second:8.0f} {late.efficiency:10.0%}" if late else f"{'n/a':>8s}"))
-        lines += [self.verdict(), UPPER_BOUND]
+        added = ", ".join(f"{seconds * 1e3:.0f} ms to {name}" for name, seconds in self.transport.items())
+        lines += [self.verdict(), CALIBRATED.format(added=added, checked=CALIBRATION_CHECKED) if added else UPPER_BOUND]
         return "\n".join(lines)
 
     def verdict(self):
@@ -149,29 +163,79 @@ def gradient_bytes(model):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in model.trainable_variables))
 
 
-def predict(model, hosts, link, compute_seconds, batch_size=64, name=None):
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A configuration's images/s measured on hosts joined by the link of the prediction (``--measured``):
+    ``multi-worker:2=294`` is multi-worker on 2 hosts training 294 images/s. It calibrates the predictions of its
+    configuration with the time TensorFlow's transport adds to each step beyond the link's bytes and latency.
+
+    >>> from keras_cnnpar.cluster import traffic
+    >>> run = Measured.parse("multi-worker:2=294")
+    >>> round(run.transport(0.072, traffic.Link.parse("1gbit"), 13_000_000, batch_size=64), 3)
+    0.078
+    >>> Measured.parse("mirrored:2=900")
+    Traceback (most recent call last):
+    ...
+    ValueError: expected CONFIGURATION:HOSTS=IMAGES/S, as multi-worker:2=294 (configurations: multi-worker, \
+async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'
+    """
+
+    configuration: str
+    hosts: int
+    images_per_second: float
+
+    @classmethod
+    def parse(cls, text):
+        match = re.fullmatch(rf"({'|'.join(ACROSS_HOSTS)}):([0-9]+)=([0-9]*\.?[0-9]+)", str(text).strip())
+        if not match or int(match[2]) < 2 or float(match[3]) <= 0:
+            raise ValueError(f"expected CONFIGURATION:HOSTS=IMAGES/S, as multi-worker:2=294 (configurations: "
+                             f"{', '.join(ACROSS_HOSTS)}; 2 or more hosts; images/s above 0); received {text!r}")
+        return cls(match[1], int(match[2]), float(match[3]))
+
+    def transport(self, compute_seconds, link, size, batch_size):
+        """Seconds TensorFlow's transport added to each step of this run beyond the link's bytes and latency."""
+        predicted = _host_step(self.configuration, self.hosts, compute_seconds, link, size)
+        return predicted.transport_to(self.images_per_second, batch_size)
+
+
+#: The configurations that train across hosts, and the strategy that predicts each one's step.
+ACROSS_HOSTS = {"multi-worker": "MultiWorker", "async-ps": "AsyncPS"}
+
+
+def _host_step(configuration, hosts, compute_seconds, link, size, **options):
+    return getattr(strategies, ACROSS_HOSTS[configuration]).host_step(hosts, compute_seconds, link, size, **options)
+
+
+def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measured=()):
     """The :class:`Scaling` of ``model`` on 1 to ``hosts`` hosts joined by ``link``, where one host computes a step
-    of ``batch_size`` in ``compute_seconds``."""
+    of ``batch_size`` in ``compute_seconds``; ``measured`` runs (:class:`Measured`) calibrate their configuration's
+    predictions (several of one configuration: the mean of what they add)."""
     size = gradient_bytes(model)
     single = batch_size / compute_seconds
+    added = {}
+    for run in measured:
+        added.setdefault(run.configuration, []).append(run.transport(compute_seconds, link, size, batch_size))
+    transport = {configuration: statistics.mean(seconds) for configuration, seconds in added.items()}
     predictions = []
 
-    def add(count, configuration, step):
-        if step is not None:
-            images = step.images_per_second(batch_size)
+    def step(configuration, count, **options):
+        predicted = _host_step(configuration, count, compute_seconds, link, size, **options)
+        return predicted and predicted.with_transport(transport.get(configuration, 0.0) if count > 1 else 0.0)
+
+    def add(count, configuration, predicted):
+        if predicted is not None:
+            images = predicted.images_per_second(batch_size)
             predictions.append(Prediction(count, configuration, images, images / (count * single),
-                                          step.communication_share, step.seconds))
+                                          predicted.communication_share, predicted.seconds))
 
     for count in host_counts(hosts):
-        synced = strategies.MultiWorker.host_step(count, compute_seconds, link, size)
+        synced = step("multi-worker", count)
         add(count, "multi-worker", synced)
         k = accumulation_for(synced, COMMUNICATION_TARGET)
-        add(count, f"multi-worker accumulate K={k}",
-            strategies.MultiWorker.host_step(count, compute_seconds, link, size, accumulate=k))
-        if count > 1:
-            add(count, "async-ps", strategies.AsyncPS.host_step(count, compute_seconds, link, size))
+        add(count, f"multi-worker accumulate K={k}", step("multi-worker", count, accumulate=k))
+        add(count, "async-ps", step("async-ps", count))
     parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    return Scaling(name or model.name, parameters, size, compute_seconds, batch_size, link, predictions)
+    return Scaling(name or model.name, parameters, size, compute_seconds, batch_size, link, predictions, transport)
 
 
 def accumulation_for(step, share):

@@ -4,7 +4,9 @@ import contextlib
 import faulthandler
 import re
 import signal
+import statistics
 import sys
+import time
 
 import keras
 import tensorflow as tf
@@ -158,6 +160,40 @@ class MultiWorker(CheckpointedStrategy):
 
     def probe(self):
         raise NotImplementedError("a one-step probe beside the run would need every worker to take part")
+
+    def from_chief(self, values):
+        """``values`` (floats) as the chief has them, on every worker (each passes its own; an all-reduce sums the
+        first replica's, which is the chief's, and zeros from the others): what every worker must agree on."""
+        mine = tf.constant(values, tf.float32)
+
+        @tf.function
+        def summed():
+            def chiefs_only():
+                context = tf.distribute.get_replica_context()
+                first = context.replica_id_in_sync_group == 0
+                return context.all_reduce("SUM", tf.where(first, tf.identity(mine), tf.zeros_like(mine)))
+
+            return self._strategy.run(chiefs_only)
+
+        return [float(v) for v in self._strategy.experimental_local_results(summed())[0].numpy()]
+
+    def all_reduce_seconds(self, size, repeats=5):
+        """The median seconds of this worker's all-reduce of ``size`` bytes of float32 with the other workers
+        (traced, and the channels warmed, first); every worker must call it alike."""
+        elements = max(1, size // 4)
+
+        @tf.function
+        def all_reduce():
+            return self._strategy.run(
+                lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.ones([elements])))
+
+        all_reduce()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._strategy.experimental_local_results(all_reduce())[0].numpy()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
     def prepare(self, model, settings=None):
         settings = settings or base.RunSettings()

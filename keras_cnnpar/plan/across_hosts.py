@@ -1,0 +1,169 @@
+"""``cnnpar plan`` on a cluster: single, multi-worker and multi-worker with accumulation measured on the hosts
+themselves, each beside its prediction, ranked by what was measured.
+
+Run it on every host as any MultiWorker job runs: ``cnnpar launch --workers N
+-- cnnpar plan`` on one machine, ``srun cnnpar plan`` under Slurm, or with
+``TF_CONFIG`` (and ``CNNPAR_MULTI_WORKER=1``) set on each host. Every host
+takes part in every measurement; only the chief prints the table and writes
+``--out``. In order:
+
+1. the link as TensorFlow's collectives see it (:func:`measure_link`): an
+   all-reduce of 4 bytes gives the latency of its ``2 (N - 1)`` rounds, larger
+   ones the rate;
+2. one host's step: Single's trial on every host at once, each on its own;
+3. MultiWorker's trial on all hosts, beside its prediction from 1 and 2
+   (``MultiWorker.host_step``); the time it took beyond that is TensorFlow's
+   transport (``HostStep.transport_to``), which calibrates what follows;
+4. MultiWorker accumulating the ``K`` batches per all-reduce that the
+   calibrated prediction says bring communication under 20% of the step
+   (:func:`scaling.accumulation_for`), beside that prediction.
+
+The hosts must agree on what to run next, so the figures that decide it are
+the chief's, sent to every host by an all-reduce (``MultiWorker.from_chief``).
+AsyncPS needs parameter servers, which a MultiWorker cluster has none of: the
+plan prints the ``cnnpar plan --hosts`` command that predicts larger clusters
+from its measurements, to which an async-ps run's figure can be added.
+
+>>> row = Row("multi-worker, 2 hosts", 294.0, 438.0, 0.74, "")
+>>> round(row.measured_over_predicted, 2)
+0.67
+"""
+
+import dataclasses
+import math
+
+from keras_cnnpar import strategies
+from keras_cnnpar.cluster import traffic
+from keras_cnnpar.plan import figures, planner, scaling
+
+#: Repeats of each timed all-reduce of :func:`measure_link`; the median counts.
+LINK_REPEATS = 5
+#: The largest all-reduce :func:`measure_link` times, in bytes.
+LARGEST_BYTES = 2**28
+#: The columns of the cluster plan's ``plan.csv``.
+COLUMNS = ("configuration", "images_per_second", "predicted_images_per_second", "communication_share", "advice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One configuration measured on the cluster: images/s measured and predicted, the predicted communication
+    share, and what to try."""
+
+    configuration: str
+    images_per_second: float
+    predicted_images_per_second: float
+    communication_share: float
+    advice: str
+
+    @property
+    def measured_over_predicted(self):
+        return self.images_per_second / self.predicted_images_per_second
+
+
+@dataclasses.dataclass
+class ClusterPlan:
+    """The rows of a plan measured on ``hosts`` hosts (fastest first) and what they were measured with."""
+
+    model: str
+    hosts: int
+    batch_size: int
+    link: traffic.Link
+    step_seconds: float
+    transport_seconds: float
+    rows: list
+
+    def table(self):
+        lines = [f"{self.model} on {self.hosts} hosts; the link as TensorFlow's all-reduce sees it: {self.link}; "
+                 f"one host's step {self.step_seconds * 1e3:.1f} ms",
+                 f"{'configuration':30s} {'images/s':>8s} {'predicted':>9s} {'comm':>5s}  advice"]
+        lines += [f"{r.configuration:30s} {r.images_per_second:8.0f} {r.predicted_images_per_second:9.0f} "
+                  f"{r.communication_share:5.0%}  {r.advice}" for r in self.rows]
+        lines.append(f"TensorFlow's transport added {self.transport_seconds * 1e3:.0f} ms a step to multi-worker "
+                     f"beyond the link's bytes and latency (the predictions after it include it)")
+        return "\n".join(lines)
+
+    def hosts_command(self):
+        """The ``cnnpar plan --hosts`` command that predicts larger clusters from these measurements (add an
+        async-ps run's figure as ``--measured async-ps:HOSTS=IMAGES/S``)."""
+        synced = next(r for r in self.rows if r.configuration == _synced_name(self.hosts))
+        rate = f"{self.link.bits_per_second / 1e6:.0f}mbit"
+        return (f"cnnpar plan --model {self.model} --batch-size {self.batch_size} --hosts {4 * self.hosts} --link "
+                f"{rate} --latency {self.link.latency_seconds * 1e3:.3g}ms --step-seconds {self.step_seconds:.4g} "
+                f"--measured multi-worker:{self.hosts}={synced.images_per_second:.0f}")
+
+    def save(self, folder):
+        """Write ``plan.csv`` and ``plan.png`` (measured and predicted images/s of each row) into ``folder``, both
+        or neither."""
+        figure, axis = figures.pyplot().subplots(figsize=(7, 3.5))
+        names = [r.configuration for r in self.rows]
+        axis.barh(names, [r.images_per_second for r in self.rows], label="measured")
+        axis.plot([r.predicted_images_per_second for r in self.rows], names, "kx", label="predicted")
+        axis.set(title=f"{self.model} on {self.hosts} hosts over {self.link}", xlabel="images/s")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        figures.write_table_and_figure(folder, "plan", COLUMNS, [dataclasses.asdict(r) for r in self.rows], figure)
+
+
+def measure_link(strategy, payload_bytes, seconds=0.25, repeats=LINK_REPEATS):
+    """The link between the hosts of ``strategy`` (a joined :class:`strategies.MultiWorker`) as its all-reduce
+    sees it, the chief's figures on every host: the median all-reduce of 4 bytes over its ``2 (N - 1)`` rounds as
+    the latency; for the rate, the ring's bytes of an all-reduce of ``payload_bytes``, doubled until it takes
+    ``seconds`` more than the 4 bytes (as ``cnnpar cluster probe`` times its reads: a short burst would read the
+    rate of a link's buffers), over the time they add."""
+    hosts = strategy.task.num_workers
+    (small,) = strategy.from_chief([strategy.all_reduce_seconds(4, repeats)])
+    size = payload_bytes
+    while True:
+        (large,) = strategy.from_chief([strategy.all_reduce_seconds(size, repeats)])
+        if large - small >= seconds or size >= LARGEST_BYTES:
+            break
+        size *= 2
+    rate = 8 * traffic.ring_all_reduce(size, hosts) / max(large - small, 1e-9)
+    return traffic.Link(rate, small / (2 * max(hosts - 1, 1)))
+
+
+def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log=print):
+    """Measure ``model`` on the cluster of ``strategy`` (a :class:`strategies.MultiWorker`, joined) on every
+    host: the :class:`ClusterPlan` (see the module's docstring). Every host must call it alike."""
+    hosts = strategy.task.num_workers
+    size = scaling.gradient_bytes(model)
+    log(f"plan: measuring the link with all-reduces of 4 bytes and of {size / 1e6:.1f} MB or more")
+    link = measure_link(strategy, size)
+    log("plan: trying single on every host at once")
+    (single,) = strategy.from_chief([planner.trial_images_per_second(model, strategies.Single(), x, y,
+                                                                     batch_size=batch_size, precision=precision)])
+    step = batch_size / single
+    log(f"plan: trying multi-worker on {hosts} hosts")
+    (synced,) = strategy.from_chief([planner.trial_images_per_second(model, strategy, x, y, batch_size=batch_size,
+                                                                     precision=precision)])
+    predicted = strategies.MultiWorker.host_step(hosts, step, link, size)
+    transport = predicted.transport_to(synced, batch_size)
+    calibrated = predicted.with_transport(transport)
+    k = scaling.accumulation_for(calibrated, scaling.COMMUNICATION_TARGET)
+    accumulated = strategies.MultiWorker.host_step(hosts, step, link, size, accumulate=k).with_transport(transport)
+    rows = [Row("single, 1 host", single, single, 0.0, "one host: nothing crosses the link"),
+            Row(_synced_name(hosts), synced, predicted.images_per_second(batch_size), calibrated.communication_share,
+                _advice(calibrated, accumulated, k, synced, batch_size))]
+    if k > 1:
+        log(f"plan: trying multi-worker on {hosts} hosts accumulating {k} batches per all-reduce")
+        (more,) = strategy.from_chief([planner.trial_images_per_second(
+            model, strategy.replace(accumulate=k), x, y, batch_size=batch_size, precision=precision)])
+        rows.append(Row(f"{_synced_name(hosts)}, K={k}", more, accumulated.images_per_second(batch_size),
+                        accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
+                                                         f"rate (scale_lr) and the accuracy"))
+    rows.sort(key=lambda row: -row.images_per_second)
+    return ClusterPlan(name, hosts, batch_size, link, step, transport, rows)
+
+
+def _synced_name(hosts):
+    return f"multi-worker, {hosts} hosts"
+
+
+def _advice(calibrated, accumulated, k, measured, batch_size):
+    """The multi-worker row's advice: the remedy for its communication share, and its predicted gain."""
+    share = calibrated.communication_share
+    if k == 1 or math.isnan(share):
+        return f"communication is {share:.0%} of the step: the link is not the bottleneck"
+    gain = accumulated.images_per_second(batch_size) / measured
+    return (f"communication is {share:.0%} of the step: accumulate={k} (one all-reduce per {k} batches) predicts "
+            f"{accumulated.images_per_second(batch_size):.0f} images/s, {gain:.1f}x")
