@@ -613,13 +613,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     best = result.best(memory_limit_mib=planner.device_memory_mib(devices))  # as `auto` chooses
     click.echo(f"\nauto would choose: {best.configuration if best else 'single (no configuration passed parity)'}"
                + (" (cached plan; --fresh measures again)" if result.cached else ""))
-    if out_dir is not None:
-        try:
-            with atomic.made_folder(out_dir):
-                planner.save(result, out_dir)
-        except OSError as error:
-            raise _not_written(error, out_dir, "--out", "neither plan.csv nor plan.png was written") from None
-        click.echo(f"wrote plan.csv and plan.png in {out_dir}")
+    _write_out(out_dir, ("plan.csv", "plan.png"), lambda: planner.save(result, out_dir))
 
 
 def _link(hosts, link, latency, step_seconds, measured_runs):
@@ -653,13 +647,7 @@ def _plan_on_cluster(model, model_kind, digits, batch_size, precision, strategy,
         return
     click.echo(result.table())
     click.echo(f"\nfor more hosts: {result.hosts_command()}")
-    if out_dir is not None:
-        try:
-            with atomic.made_folder(out_dir):
-                result.save(out_dir)
-        except OSError as error:
-            raise _not_written(error, out_dir, "--out", "neither plan.csv nor plan.png was written") from None
-        click.echo(f"wrote plan.csv and plan.png in {out_dir}")
+    _write_out(out_dir, ("plan.csv", "plan.png"), lambda: result.save(out_dir))
 
 
 def _print_nothing(line):
@@ -685,13 +673,20 @@ def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds
         step_seconds = planner.single_step_seconds(model, digits.x, digits.y, batch_size=batch_size)
     result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind, measured=measured)
     click.echo(result.text())
-    if out_dir is not None:
-        try:
-            with atomic.made_folder(out_dir):
-                result.save(out_dir)
-        except OSError as error:
-            raise _not_written(error, out_dir, "--out", "neither scaling.csv nor scaling.png was written") from None
-        click.echo(f"wrote scaling.csv and scaling.png in {out_dir}")
+    _write_out(out_dir, ("scaling.csv", "scaling.png"), lambda: result.save(out_dir))
+
+
+def _write_out(out_dir, names, save):
+    """Call ``save()``, which writes the table and the plot ``names`` into ``out_dir`` (none: nothing to write), and
+    say so; the one-line refusal of ``--out`` when they cannot be written (neither is then)."""
+    if out_dir is None:
+        return
+    try:
+        with atomic.made_folder(out_dir):
+            save()
+    except OSError as error:
+        raise _not_written(error, out_dir, "--out", f"neither {names[0]} nor {names[1]} was written") from None
+    click.echo(f"wrote {names[0]} and {names[1]} in {out_dir}")
 
 
 @main.command()
