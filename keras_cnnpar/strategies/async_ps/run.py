@@ -147,9 +147,9 @@ class _AsyncLoop:
         moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result.
 
         ``ClusterCoordinator`` runs a group again, on another worker, when the worker that ran it fails; the
-        run starts after the steps of the group that had landed (``landed``), so each step's update is
-        applied once. (A worker that dies between a step's update and its count, a few operations apart,
-        would leave that one update applied twice.)"""
+        run starts after the steps of the group that had landed (``landed``), so those are not applied twice.
+        The step in flight when the worker died may be: its update and its count are separate operations on
+        the parameter servers."""
         return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
                                                              tf.constant(size, tf.int32), tf.constant(decay)))
 

@@ -31,7 +31,7 @@ class AsyncPS(CheckpointedStrategy):
     ``steps_per_execution``, in order), so an epoch trains on every batch once,
     as under ``Single``, whichever worker runs which group, and a group that
     a lost worker left unfinished runs again on its own batches elsewhere,
-    from its first step that had not landed: each step's update is applied once.
+    from its first step that had not landed.
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
