@@ -57,9 +57,13 @@ def worker_env(spec, index):
 def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows_as_the_link_slows(tmp_path,
                                                                                                    small_csv):
     """--checks under MultiWorker on two hosts whose links run at 1 Gbit/s, then at 50 Mbit/s: the chief's traced
-    epoch has a communication share that is higher on the slower link, and its communication a step is at least
-    the ring all-reduce's bytes at that rate (``traffic.ring_all_reduce``: the 3+3's gradient, once each way).
-    Only the chief writes."""
+    epoch spends more time a step communicating (its communication share times its step) on the slower link, at
+    least the ring all-reduce's bytes at that rate (``traffic.ring_all_reduce``: the 3+3's gradient, once each
+    way). Only the chief writes.
+
+    Not the share itself: under load the trace left part of the slow link's wait to idle (time that no traced
+    op covers), and one run read a communication share of 0.438 at 50 Mbit/s against 0.446 at 1 Gbit/s,
+    though its communication a step was 215 ms against 45 ms."""
     if reason := hosts.unshapeable():
         pytest.skip(reason)
     model = models.cnn("3+3", input_shape=(28, 28, 1), num_classes=10)
@@ -78,10 +82,10 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
         assert (first["time_split"], traced[rate]["time_split"], traced[rate]["grad_parity_verdict"]) == (
             "", "trace", "n/a")  # no one-step probe beside a cluster's run
         assert not (folder / "host1" / "results").exists()
-    share = {rate: float(row["communication_share"]) for rate, row in traced.items()}
-    assert share["50mbit"] > share["1gbit"], share
-    communication = share["50mbit"] * float(traced["50mbit"]["step_seconds"])
-    assert communication >= 0.8 * wire["50mbit"], (communication, wire)
+    communication = {rate: float(row["communication_share"]) * float(row["step_seconds"])
+                     for rate, row in traced.items()}
+    assert communication["50mbit"] > communication["1gbit"], communication
+    assert communication["50mbit"] >= 0.8 * wire["50mbit"], (communication, wire)
 
 
 def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
