@@ -9,11 +9,17 @@ the last epoch's validation accuracy. All processes share this machine's cores, 
 its share of them to the others. Targets: AsyncPS with the slow worker keeps at least 0.8x of its own images/s,
 and its accuracy within 3 points of Single's; MultiWorker's drop is printed beside it.
 
+``--max-staleness 3,1`` adds AsyncPS with each bound (``--option max_staleness=B``): its ``applied`` column is
+the share of the steps after the first epoch whose gradient was applied (the others were staler than the bound
+and dropped, their work lost), so its useful images/s is images/s times that share.
+
 Run: python benchmarks/slow_worker.py [--models 3+3,2+2] [--epochs 3] [--share 0.25] [--period 0.1]
+                                      [--max-staleness 3,1]
 """
 
 import argparse
 import csv
+import functools
 import json
 import os
 import signal
@@ -95,12 +101,15 @@ def trained_an_epoch(folder):
 
 
 def figures(results):
-    """Median images/s of the epochs after the first, and the last validation accuracy, of the run in
-    ``results``."""
+    """Median images/s of the epochs after the first, the last validation accuracy, and the share of the steps
+    after the first epoch whose gradient was applied (1 where no step is dropped), of the run in ``results``."""
     (epoch_csv,) = Path(results).glob("*_keras_tensorflow_*.csv")
     with epoch_csv.open(newline="") as file:
         rows = list(csv.DictReader(file))
-    return statistics.median(float(r["images_per_second"]) for r in rows[1:]), float(rows[-1]["val_accuracy"])
+    applied, dropped = (sum(float(r.get(column) or 0) for r in rows[1:]) for column in ("steps_applied",
+                                                                                       "steps_dropped"))
+    return (statistics.median(float(r["images_per_second"]) for r in rows[1:]), float(rows[-1]["val_accuracy"]),
+            applied / (applied + dropped) if dropped else 1.0)
 
 
 def train(folder, model, epochs, *args, slow=None):
@@ -119,7 +128,7 @@ def train(folder, model, epochs, *args, slow=None):
     return figures(folder / "results")
 
 
-def async_ps(folder, model, epochs, share, period, slowed):
+def async_ps(folder, model, epochs, share, period, slowed, options=()):
     folder.mkdir(parents=True)
     spec = folder / "spec.json"
     subprocess.run(command("cluster", "start", "--workers", 4, "--ps", 1, "--spec", spec), env=ENV, check=True,
@@ -127,7 +136,7 @@ def async_ps(folder, model, epochs, share, period, slowed):
     try:
         worker = json.loads(spec.read_text())["pids"]["worker"][SLOW_WORKER]
         run = folder / "run"
-        return train(run, model, epochs, "--strategy", "async-ps", "--cluster", spec,
+        return train(run, model, epochs, "--strategy", "async-ps", "--cluster", spec, *options,
                      slow=(lambda _: DutyCycle(lambda: worker if trained_an_epoch(run) else None, share, period))
                      if slowed else None)
     finally:
@@ -149,23 +158,27 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--share", type=float, default=0.25, help="the slow worker's share of its time")
     parser.add_argument("--period", type=float, default=0.1, help="seconds of one stop-and-continue cycle")
+    parser.add_argument("--max-staleness", default="", help="bounds of AsyncPS rows to add, e.g. 3,1")
     args = parser.parse_args()
+    runs = [("async-ps", async_ps), *((f"async-ps <={bound}", functools.partial(
+        async_ps, options=("--option", f"max_staleness={bound}"))) for bound in args.max_staleness.split(",") if bound),
+            ("multi-worker", multi_worker)]
     print(cnnpar.hardware.describe(), flush=True)
     print(f"mnist-5k (4,000 training images), batch 64, {args.epochs} epochs; worker {SLOW_WORKER} of 4 runs "
           f"{args.share:.0%} of every {args.period} s", flush=True)
     root = Path(tempfile.mkdtemp(prefix="cnnpar-slow-"))
     print(f"{'model':6s} {'strategy':13s} {'images/s':>9s} {'slowed':>9s} {'ratio':>6s} {'accuracy':>9s} "
-          f"{'slowed':>7s}")
+          f"{'slowed':>7s} {'applied':>8s} {'slowed':>7s}")
     verdicts = []
     for model in args.models.split(","):
-        single_images, single_accuracy = train(root / model / "single", model, args.epochs)
+        single_images, single_accuracy, _ = train(root / model / "single", model, args.epochs)
         print(f"{model:6s} {'single':13s} {single_images:9.0f} {'':>9s} {'':>6s} {single_accuracy:9.3f}", flush=True)
-        for name, run in (("async-ps", async_ps), ("multi-worker", multi_worker)):
-            (full, full_accuracy), (slowed, slowed_accuracy) = (
-                run(root / model / f"{name}-{kind}", model, args.epochs, args.share, args.period, kind == "slow")
-                for kind in ("full", "slow"))
+        for name, run in runs:
+            (full, full_accuracy, full_applied), (slowed, slowed_accuracy, slowed_applied) = (
+                run(root / model / f"{name.replace(' <=', '-')}-{kind}", model, args.epochs, args.share, args.period,
+                    kind == "slow") for kind in ("full", "slow"))
             print(f"{model:6s} {name:13s} {full:9.0f} {slowed:9.0f} {slowed / full:6.2f} {full_accuracy:9.3f} "
-                  f"{slowed_accuracy:7.3f}", flush=True)
+                  f"{slowed_accuracy:7.3f} {full_applied:8.2f} {slowed_applied:7.2f}", flush=True)
             if name == "async-ps":
                 verdicts.append((model, slowed / full >= 0.8, single_accuracy - slowed_accuracy <= 0.03))
     for model, pace, accuracy in verdicts:

@@ -343,6 +343,12 @@ def alive(pid):
         return False
 
 
+def cpu_seconds(pid):
+    """The CPU seconds process ``pid`` has used (user and system), from ``/proc``: how far a worker got."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime and stime, fields 14 and 15
+
+
 def still_alive_after(pids, seconds=30):
     """The processes of ``pids`` still alive once all have ended or ``seconds`` have passed (``[]``: all gone)."""
     with contextlib.suppress(AssertionError):

@@ -195,6 +195,21 @@ def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():
     assert iterations == {"single": 32, "async": 32}
 
 
+def test_a_staleness_bound_drops_every_step_staler_than_it_and_counts_it():
+    """AsyncPS(4, max_staleness=0), one step per scheduled group and no warm-up: the four workers step at once, so
+    some steps find another's update begun and not landed. Each of those is dropped and counted; every step is
+    applied or dropped, none applied staler than the bound, and the optimizer counts only the applied."""
+    digits = cnnpar.data.load()
+    model = build_small_cnn(seed=0)
+    history = model.fit(digits.x[:1024], digits.y[:1024], batch_size=64, epochs=1, verbose=0, results_dir=None,
+                        strategy=cnnpar.AsyncPS(workers=4, steps_per_execution=1, warmup_steps=0, max_staleness=0,
+                                                checkpoint_dir=None)).history
+    applied, dropped = history["steps_applied"][0], history["steps_dropped"][0]
+    assert applied + dropped == 16 and dropped >= 1 and applied >= 1, history
+    assert history["staleness_max"] == [0.0], history  # of the steps applied
+    assert int(model.optimizer.iterations.numpy()) == applied
+
+
 class WeightsAfterEachStep(keras.callbacks.Callback):
     """The model's weights after every training step."""
 

@@ -7,6 +7,7 @@ processes' time and ends the servers it started.
 """
 
 import json
+import math
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ from tests.helpers import (
     FLOORS,
     alive,
     cnnpar_command,
+    cpu_seconds,
     descendants,
     epoch_column,
     held,
@@ -147,6 +149,42 @@ def test_a_worker_process_killed_mid_run_leaves_training_to_the_others(tmp_path)
     assert "stopped 2 server processes" in stopped.stdout  # the killed worker was already gone
     assert not spec.exists()
     assert not any(servers._is_server(pid, config) for job in pids.values() for pid in job)
+
+
+def test_a_worker_killed_in_the_middle_of_its_steps_leaves_no_step_applied_twice(tmp_path):
+    """``ClusterCoordinator`` runs a lost worker's group of steps again on another worker. Worker 1 is killed
+    while it runs a group of epoch 2 (once it has used 1.5 times the CPU it used in epoch 1: each group is 16
+    steps, and a worker is busy only inside one); the group's second run starts after its steps marked landed,
+    each marked before its update begins, so epoch 2 applies at most one update a step: all of them, or all
+    but the one in flight. With the mark after the update, 3 of 6 runs applied 126 updates for 125 steps."""
+    spec = tmp_path / "cluster.json"
+    started = subprocess.run(cnnpar_command("cluster", "start", "--workers", "2", "--ps", "1", "--spec", str(spec)),
+                             env=ENV, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr[-2000:]
+    worker = json.loads(spec.read_text())["pids"]["worker"][1]
+    try:
+        command = cnnpar_command("train", "--strategy", "async-ps", "--cluster", str(spec), "--epochs", "2",
+                                 "--batch-size", "32", "--option", "steps_per_execution=16", "--option",
+                                 "warmup_steps=0", "--verbose", "2", "--results", "results")
+        hold, csv_path = tmp_path / "hold", tmp_path / "results" / f"{RUN}.csv"
+        with processes([command], tmp_path, [held(hold, 1)]) as (coordinator,):
+            begun = cpu_seconds(worker)
+            wait_for_epoch_rows(csv_path, 1, coordinator)  # the run waits after epoch 1
+            first_epoch = cpu_seconds(worker) - begun
+            release(hold)
+            wait_until(lambda: cpu_seconds(worker) - begun >= 1.5 * first_epoch, "worker 1 half-way through "
+                       "epoch 2", process=coordinator)
+            os.kill(worker, signal.SIGKILL)
+            output = coordinator.communicate(timeout=300)[0]
+        assert coordinator.returncode == 0, output[-3000:]
+        epochs = rows(csv_path)
+        assert [float(e["lost_workers"]) for e in epochs] == [0.0, 1.0]
+        steps = math.ceil(4000 / 32)  # mnist-5k's 4,000 training digits
+        assert float(epochs[0]["steps_applied"]) == steps
+        assert steps - 1 <= float(epochs[1]["steps_applied"]) <= steps, epochs[1]
+    finally:
+        subprocess.run(cnnpar_command("cluster", "stop", "--spec", str(spec)), env=ENV, capture_output=True,
+                       text=True, timeout=60)
 
 
 def test_a_lost_parameter_server_stops_the_run_and_resume_completes_it(tmp_path, small_csv):

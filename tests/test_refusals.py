@@ -350,6 +350,22 @@ def test_report_refuses_a_runs_csv_it_cannot_read_in_one_line_naming_the_file_li
     assert [name for name in SUMMARY_FILES if (tmp_path / name).exists()] == []
 
 
+@pytest.mark.parametrize("spoil, expected", [
+    (lambda path: (path.unlink(), path.mkdir()),
+     lambda path: f"Error: {path}: cannot read it: Is a directory; nothing was written. Received: --results "),
+    (lambda path: path.write_bytes(path.read_bytes()[:40] + b"\xff" + path.read_bytes()[41:]),
+     lambda path: f"Error: {path}: expected UTF-8 text. Received: byte 0xff at offset 40"),
+], ids=["a folder in its place", "a byte that is not UTF-8"])
+def test_report_refuses_a_runs_csv_that_does_not_read_as_text_in_one_line_and_writes_nothing(tmp_path, spoil,
+                                                                                              expected):
+    """Before: "could not write into results: Is a directory", and a UnicodeDecodeError's own words."""
+    path = write_runs(tmp_path, [("single", "1", "100")])
+    spoil(path)
+    line = one_line_refusal(run("report", "--results", tmp_path), 2)
+    assert line.startswith(expected(path)), line
+    assert [name for name in SUMMARY_FILES if (tmp_path / name).exists()] == []
+
+
 def test_report_leaves_out_a_row_cut_short_with_a_warning_naming_its_line(tmp_path):
     path = write_runs(tmp_path, [("single", "1", "100"), ("mirrored", "2", "150")])
     text = path.read_text()

@@ -184,11 +184,16 @@ def write_report(results_dir):
     one, a full disk, leaves every summary file as it was); return the rows and the Markdown.
 
     A ``runs.csv`` that does not read as a version wrote it raises
-    :class:`keras_cnnpar.results.runs.ResultsFileError` (see :func:`keras_cnnpar.results.runs.read_runs`).
+    :class:`keras_cnnpar.results.runs.ResultsFileError` (see :func:`keras_cnnpar.results.runs.read_runs`), and so
+    does a results file that cannot be read at all (a folder in its place, say).
     """
     results_dir = Path(results_dir)
-    recorded = runs.read_runs(results_dir / runs.RUNS_CSV)
-    rows = summarize(results_dir, recorded)
+    try:
+        recorded = runs.read_runs(results_dir / runs.RUNS_CSV)
+        rows = summarize(results_dir, recorded)
+    except OSError as error:
+        raise runs.ResultsFileError(f"{error.filename or results_dir}: cannot read it: {os.strerror(error.errno)}; "
+                                    f"nothing was written. Received: --results {results_dir}") from None
     if not rows:
         raise ValueError(f"no runs to report: {results_dir / 'runs.csv'} is missing or empty. "
                          f"Received: --results {results_dir}")

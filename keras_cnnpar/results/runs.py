@@ -487,7 +487,8 @@ def read_runs(path):
     A header that no version wrote (a name missing or renamed: the values would shift under the names) and a value
     that is not a number in a column of numbers (:data:`NUMBER_COLUMNS`) raise :class:`ResultsFileError`, naming the
     file, the line and the column; a line of another number of values than the header's (cut short) is left out,
-    with a warning naming it, as :func:`append_run` leaves it out of the speedup's baseline.
+    with a warning naming it, as :func:`append_run` leaves it out of the speedup's baseline. Bytes that are not
+    UTF-8 raise :class:`ResultsFileError` too, naming the first.
 
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / RUNS_CSV
@@ -498,8 +499,12 @@ def read_runs(path):
     """
     if not Path(path).exists():
         return []
-    with open(path, newline="", encoding="utf-8") as file:
-        lines = list(csv.reader(file))
+    try:
+        with open(path, newline="", encoding="utf-8") as file:
+            lines = list(csv.reader(file))
+    except UnicodeDecodeError as error:
+        raise ResultsFileError(f"{path}: expected UTF-8 text. Received: byte {error.object[error.start]:#04x} at "
+                               f"offset {error.start}") from None
     if not lines:
         return []
     header = lines[0]

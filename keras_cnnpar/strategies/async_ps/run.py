@@ -39,6 +39,8 @@ class AsyncRun(base.Run):
                  + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
                  + (f"; each gradient divided by {_divisor_text(self.model.optimizer)}"
                     if strategy.staleness_aware else "")
+                 + (f"; a step staler than {strategy.max_staleness} updates dropped"
+                    if strategy.max_staleness is not None else "")
                  + (f"; validated and returned: the weights' moving average (ema_momentum={strategy.ema_momentum})"
                     if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
@@ -105,10 +107,15 @@ class _AsyncLoop:
         self.workers = {"worker": connection.cluster["worker"]}
         self.model, self.steps_per_group = model, steps_per_group
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
+        self.max_staleness = strategy.max_staleness
         with self.tf_strategy.scope():
+            # Steps done, their gradient applied or dropped (staler than max_staleness): a dropped step's ticket
+            # (``begun``) is done too, or every later step would count it in its staleness.
             self.applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="applied_updates")
+            self.dropped = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped_updates")
             self.begun = tf.Variable(0, dtype=tf.int64, trainable=False, name="begun_updates")
-            # Per group of an epoch of ``steps``, how many of its steps landed: a group run again starts after them.
+            # Per group of an epoch of ``steps``, how many of its steps began their update: a group run again
+            # starts after them.
             self.landed = tf.Variable(tf.zeros([math.ceil(steps / steps_per_group)], tf.int32), trainable=False,
                                       name="landed_per_group")
         self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
@@ -121,7 +128,8 @@ class _AsyncLoop:
         self.begun.assign(self.applied.read_value())  # nothing in flight: drop the tickets of a lost worker's steps
         epoch = _IndexedBatches(batches)
         iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
-        applied_before, iterations = int(self.applied.numpy()), self.model.optimizer.iterations
+        applied_before, dropped_before = int(self.applied.numpy()), int(self.dropped.numpy())
+        iterations = self.model.optimizer.iterations
         counted_before = int(iterations.numpy())
         groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
         self.landed.assign(tf.zeros_like(self.landed))
@@ -132,24 +140,25 @@ class _AsyncLoop:
         results += [self._schedule(iterator, *group, decay=self.average.momentum) for group in groups]
         self.coordinator.join()
         self.average.swap_in()
-        applied = int(self.applied.numpy()) - applied_before
+        dropped = int(self.dropped.numpy()) - dropped_before
+        applied = int(self.applied.numpy()) - applied_before - dropped
         # Keras counts a step by reading the optimizer's iterations and writing them back: workers that step at
         # once lose each other's counts (9 of 64 with 4 workers), which schedules and Adam's bias correction read.
         iterations.assign(counted_before + applied)
-        loss, staleness, size = np.concatenate([r.fetch() for r in results]).T  # the steps of each group's last run
+        loss, size, staleness, kept = np.concatenate([r.fetch() for r in results]).T  # each group's last run
+        staleness = staleness[kept > 0] if kept.any() else np.zeros(1)  # of the gradients applied
         logs = {k: float(v) for k, v in self.model.get_metrics_result().items()}
         return {**logs, "loss": float(np.average(loss, weights=size)), "staleness_mean": float(staleness.mean()),
                 "staleness_max": float(staleness.max()), "steps_applied": float(applied),
-                "lost_workers": float(len(network.unreachable(self.workers)))}
+                "steps_dropped": float(dropped), "lost_workers": float(len(network.unreachable(self.workers)))}
 
     def _schedule(self, iterator, first, size, decay):
         """Schedule the steps on batches ``first`` to ``first + size - 1`` of the epoch on a free worker, each
         moving the weights' average by ``1 - decay`` towards the weights it left; return their remote result.
 
         ``ClusterCoordinator`` runs a group again, on another worker, when the worker that ran it fails; the
-        run starts after the steps of the group that had landed (``landed``), so those are not applied twice.
-        The step in flight when the worker died may be: its update and its count are separate operations on
-        the parameter servers."""
+        run starts after the steps of the group marked landed (``landed``), each marked before its update
+        begins, so no step is applied twice; the step in flight when the worker died may be lost."""
         return self.coordinator.schedule(self._steps, args=(iterator, tf.constant(first, tf.int32),
                                                              tf.constant(size, tf.int32), tf.constant(decay)))
 
@@ -158,46 +167,71 @@ class _AsyncLoop:
         worker compiles one step's graph once (not a group-sized graph per size)."""
         model, tf_strategy, average = self.model, self.tf_strategy, self.average
         applied, begun, landed, steps_per_group = self.applied, self.begun, self.landed, self.steps_per_group
+        dropped, bound = self.dropped, self.max_staleness
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
-        def one_step(batch, decay, group):
+        def one_step(batch, group):
+            """A step's gradient (divided for its staleness), its staleness, and its loss and batch size."""
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             seen = applied.read_value()  # updates that had landed: all are in the weights this step reads
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
                 y_pred = model(x, training=True)
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
                 scaled_loss = model.optimizer.scale_loss(loss)  # float16's loss scaling; else the loss itself
-            variables = model.trainable_variables
-            gradients = tape.gradient(scaled_loss, variables)
+            gradients = tape.gradient(scaled_loss, model.trainable_variables)
             with tf.control_dependencies(gradients):  # the others' updates begun before it, landed after it read
                 staleness = begun.assign_add(1) - 1 - seen
             if power:
                 late = tf.cast(staleness + 1, gradients[0].dtype)
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
-            update = _ops_added_by(lambda: model.optimizer.apply_gradients(zip(gradients, variables)))
-            with tf.control_dependencies(update):
-                average.follow(decay)
-                applied.assign_add(1)  # only now: a step that reads the weights after this count finds the update
-                landed.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), tf.reshape(group, [1])))
             _add_metrics(model, x, y, y_pred, sample_weight)
             examples = tf.shape(tf.nest.flatten(y)[0])[0]  # y: the labels, or a tuple or dict of them
-            return tf.stack([loss, tf.cast(staleness, loss.dtype), tf.cast(examples, loss.dtype)])
+            return gradients, staleness, tf.stack([loss, tf.cast(examples, loss.dtype)])
+
+        def update(gradients, decay, marked):
+            """Once ``marked``, apply the gradients; 1 once they and the average's move landed."""
+            with tf.control_dependencies([marked]):
+                gradients = [tf.identity(g) for g in gradients]
+            done = _ops_added_by(lambda: model.optimizer.apply_gradients(zip(gradients, model.trainable_variables)))
+            with tf.control_dependencies(done):
+                average.follow(decay)
+                return tf.identity(tf.constant(1.0))
+
+        def drop():
+            with tf.control_dependencies([dropped.assign_add(1)]):
+                return tf.identity(tf.constant(0.0))
 
         @tf.function(autograph=False)  # as Keras's own steps (do_not_convert): no conversion of the model's calls
         def steps(iterator, first, size, decay):
             epoch = next(iterator)  # the whole epoch, held by this worker's dataset: no copy
             group = first // steps_per_group
-            start = landed.sparse_read(group)  # a run again after a lost worker skips the steps that landed
+            start = landed.sparse_read(group)  # a run again after a lost worker skips the steps marked
 
             def step(i, results):
                 batch = _IndexedBatches.batch(epoch, first + i)
-                result = tf_strategy.run(one_step, args=(batch, decay, group))
-                return i + 1, results.write(i - start, tf.cast(result, tf.float32))
+                gradients, staleness, loss_and_size = tf_strategy.run(one_step, args=(batch, group))
+                # Landed before its update begins: a run again after a lost worker starts after it, so a step whose
+                # update may have begun is never applied twice (one that died before its update is lost).
+                with tf.control_dependencies([staleness]):
+                    mark = landed.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int32), tf.reshape(group, [1])))
+                with tf.control_dependencies([mark]):
+                    marked = tf.identity(staleness)
+
+                def apply():  # a replica function of its own: the optimizer's update syncs in its branch's graph
+                    return tf_strategy.run(update, args=(gradients, decay, marked))
+
+                kept = apply() if bound is None else tf.cond(staleness <= bound, apply, drop)
+                with tf.control_dependencies([kept]):  # only now: a step that reads after this count finds it
+                    counted = applied.assign_add(1)
+                with tf.control_dependencies([counted]):
+                    result = tf.concat([tf.cast(loss_and_size, tf.float32),
+                                        tf.cast(tf.stack([staleness]), tf.float32), tf.reshape(kept, [1])], 0)
+                return i + 1, results.write(i - start, result)
 
             _, results = tf.while_loop(lambda i, _: i < size, step,
                                        (start, tf.TensorArray(tf.float32, size=size - start,
-                                                              element_shape=tf.TensorShape([3]))))
+                                                              element_shape=tf.TensorShape([4]))))
             return results.stack()
 
         return steps

@@ -31,7 +31,8 @@ class AsyncPS(CheckpointedStrategy):
     ``steps_per_execution``, in order), so an epoch trains on every batch once,
     as under ``Single``, whichever worker runs which group, and a group that
     a lost worker left unfinished runs again on its own batches elsewhere,
-    from its first step that had not landed.
+    from its first step whose update had not begun: no step is applied twice,
+    and the one in flight when the worker died may be lost.
 
     **What async means.** A worker's gradient was computed from weights that
     other workers may have updated since (its *staleness*). The loss curve is
@@ -60,7 +61,9 @@ class AsyncPS(CheckpointedStrategy):
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates a step's gradient may have missed: those begun before it was
     ready to apply that had not landed when it read the weights), and
-    ``steps_applied`` (counted on the parameter servers), ``lost_workers``
+    ``steps_applied`` (counted on the parameter servers), ``steps_dropped``
+    (staler than ``max_staleness``; the staleness columns count the applied
+    steps), ``lost_workers``
     (workers that no longer answer at the epoch's end; their unfinished steps
     ran again on the others). ``loss`` is the mean
     of the steps' losses weighted by their batch sizes, as Keras reports it.
@@ -121,6 +124,10 @@ class AsyncPS(CheckpointedStrategy):
         staleness_aware: divide each step's gradient by ``(1 + staleness) ** p``,
             ``p`` by the optimizer (:func:`.run.staleness_power`; default True); False
             applies every gradient whole.
+        max_staleness: None (default) applies every step's gradient; an int
+            drops a step staler than it: its gradient is not applied, and the
+            epoch's ``steps_dropped`` counts it (a hard bound on the staleness
+            of what moves the weights; the dropped steps' work is lost).
         warmup_steps: updates at the start of a run scheduled one group of
             ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
         ema_momentum: the momentum of the moving average of the weights that
@@ -167,8 +174,8 @@ class AsyncPS(CheckpointedStrategy):
         return traffic.HostStep(compute_seconds, communication, parallel_steps=workers)
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
-                 warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30, checkpoint_dir="checkpoints",
-                 resume=False, precise_bn=16):
+                 max_staleness=None, warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30,
+                 checkpoint_dir="checkpoints", resume=False, precise_bn=16):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -180,6 +187,8 @@ class AsyncPS(CheckpointedStrategy):
         self.ps = len(self.spec["ps"]) if self.spec else ps
         self.scale_lr = arguments.scale_lr(scale_lr)
         self.staleness_aware = arguments.flag("staleness_aware", staleness_aware)
+        self.max_staleness = None if max_staleness is None else arguments.non_negative_int("max_staleness",
+                                                                                           max_staleness)
         self.warmup_steps = arguments.non_negative_int("warmup_steps", warmup_steps)
         self.ema_momentum = arguments.momentum_or_none("ema_momentum", ema_momentum)
         self.precise_bn = arguments.non_negative_int("precise_bn", precise_bn)
