@@ -93,7 +93,7 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     saw it is at most the shaped rate; the chief prints single, multi-worker and multi-worker accumulating the
     advised K, fastest first, each beside its prediction (multi-worker's from the link alone is an upper bound);
     accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
-    multi-worker figure; only the chief writes --out."""
+    multi-worker figure; each host's single figure is printed, the chief's first; only the chief writes --out."""
     if reason := hosts.unshapeable():
         pytest.skip(reason)
     with hosts.Hosts(2, rate="1gbit") as net:
@@ -108,6 +108,9 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     rows = read_rows(tmp_path / "host0" / "planned" / "plan.csv")
     measured = [float(row["images_per_second"]) for row in rows]
     assert measured == sorted(measured, reverse=True)  # ranked by what was measured
+    each_host = re.search(r"single on each host: (\d+), (\d+) images/s", printed)
+    single = next(float(row["images_per_second"]) for row in rows if row["configuration"] == "single, 1 host")
+    assert each_host and float(each_host[1]) == pytest.approx(single, abs=0.5), printed
     assert sorted(row["configuration"].split(", K=")[0] for row in rows) == [
         "multi-worker, 2 hosts", "multi-worker, 2 hosts", "single, 1 host"]
     synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")

@@ -10,7 +10,10 @@ takes part in every measurement; only the chief prints the table and writes
 1. the link as TensorFlow's collectives see it (:func:`measure_link`): an
    all-reduce of 4 bytes gives the latency of its ``2 (N - 1)`` rounds, larger
    ones the rate;
-2. one host's step: Single's trial on every host at once, each on its own;
+2. one host's step: Single's trial on every host at once, each on its own
+   (every host's figure is printed; where the slowest host trains at under
+   :data:`UNEVEN` of the fastest's images/s, multi-worker steps at its pace,
+   and the plan says that async-ps does not wait for it);
 3. MultiWorker's trial on all hosts, beside its prediction from 1 and 2
    (``MultiWorker.host_step``); the time it took beyond that is TensorFlow's
    transport (``HostStep.transport_to``), which calibrates what follows;
@@ -40,6 +43,8 @@ from keras_cnnpar.plan import figures, planner, scaling
 LINK_REPEATS = 5
 #: The largest all-reduce :func:`measure_link` times, in bytes.
 LARGEST_BYTES = 2**28
+#: The slowest host's Single images/s over the fastest's under which the plan advises async-ps.
+UNEVEN = 0.8
 #: The columns of the cluster plan's ``plan.csv``.
 COLUMNS = ("configuration", "images_per_second", "predicted_images_per_second", "communication_share", "advice")
 
@@ -62,7 +67,8 @@ class Row:
 
 @dataclasses.dataclass
 class ClusterPlan:
-    """The rows of a plan measured on ``hosts`` hosts (fastest first) and what they were measured with."""
+    """The rows of a plan measured on ``hosts`` hosts (fastest first), what they were measured with, and Single's
+    images/s on each host (the chief's first)."""
 
     model: str
     hosts: int
@@ -71,6 +77,7 @@ class ClusterPlan:
     step_seconds: float
     transport_seconds: float
     rows: list
+    single_per_host: tuple
 
     def table(self):
         lines = [f"{self.model} on {self.hosts} hosts; the link as TensorFlow's all-reduce sees it: {self.link}; "
@@ -80,6 +87,7 @@ class ClusterPlan:
                   f"{r.communication_share:5.0%}  {r.advice}" for r in self.rows]
         lines.append(f"TensorFlow's transport added {self.transport_seconds * 1e3:.0f} ms a step to multi-worker "
                      f"beyond the link's bytes and latency (the predictions after it include it)")
+        lines.append(uneven_hosts(self.single_per_host))
         return "\n".join(lines)
 
     def hosts_command(self):
@@ -130,8 +138,10 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log
     log(f"plan: measuring the link with all-reduces of 4 bytes and of {size / 1e6:.1f} MB or more")
     link = measure_link(strategy, size)
     log("plan: trying single on every host at once")
-    (single,) = strategy.from_chief([planner.trial_images_per_second(model, strategies.Single(), x, y,
-                                                                     batch_size=batch_size, precision=precision)])
+    each_replica = [value for (value,) in strategy.gathered([planner.trial_images_per_second(
+        model, strategies.Single(), x, y, batch_size=batch_size, precision=precision)])]
+    each_host = each_replica[::len(each_replica) // hosts]  # a host's replicas come together, its figure in each
+    single = each_host[0]  # the chief's
     step = batch_size / single
     log(f"plan: trying multi-worker on {hosts} hosts")
     (synced,) = strategy.from_chief([planner.trial_images_per_second(model, strategy, x, y, batch_size=batch_size,
@@ -152,11 +162,31 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log
                         accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
                                                          f"rate (scale_lr) and the accuracy"))
     rows.sort(key=lambda row: -row.images_per_second)
-    return ClusterPlan(name, hosts, batch_size, link, step, transport, rows)
+    return ClusterPlan(name, hosts, batch_size, link, step, transport, rows, tuple(each_host))
 
 
 def _synced_name(hosts):
     return f"multi-worker, {hosts} hosts"
+
+
+def uneven_hosts(single_per_host):
+    """What the plan says of the hosts' Single images/s: each host's, and where the slowest is under
+    :data:`UNEVEN` of the fastest, that multi-worker waits for it and async-ps does not.
+
+    >>> print(uneven_hosts([1800.0, 1750.0]))
+    single on each host: 1800, 1750 images/s
+    >>> print(uneven_hosts([1800.0, 900.0]))  # doctest: +NORMALIZE_WHITESPACE
+    single on each host: 1800, 900 images/s; the slowest runs at 0.50x the fastest: multi-worker steps at its
+    pace, async-ps does not wait for it (docs/async.md, a slow worker: async-ps kept 0.93-1.06x of its
+    images/s, multi-worker 0.34-0.42x)
+    """
+    line = f"single on each host: {', '.join(f'{value:.0f}' for value in single_per_host)} images/s"
+    slowest = min(single_per_host) / max(single_per_host)
+    if slowest >= UNEVEN:
+        return line
+    return (f"{line}; the slowest runs at {slowest:.2f}x the fastest: multi-worker steps at its pace, async-ps does "
+            f"not wait for it (docs/async.md, a slow worker: async-ps kept 0.93-1.06x of its images/s, "
+            f"multi-worker 0.34-0.42x)")
 
 
 def _advice(calibrated, accumulated, k, measured, batch_size):

@@ -161,21 +161,27 @@ class MultiWorker(CheckpointedStrategy):
     def probe(self):
         raise NotImplementedError("a one-step probe beside the run would need every worker to take part")
 
-    def from_chief(self, values):
-        """``values`` (floats) as the chief has them, on every worker (each passes its own; an all-reduce sums the
-        first replica's, which is the chief's, and zeros from the others): what every worker must agree on."""
+    def gathered(self, values):
+        """``values`` (floats) of every replica, in replica order (the chief's first), on every worker: each
+        worker passes its own; an all-reduce sums a matrix in which each replica fills its own row."""
         mine = tf.constant(values, tf.float32)
+        replicas = self._strategy.num_replicas_in_sync
 
         @tf.function
         def summed():
-            def chiefs_only():
+            def each_in_its_row():
                 context = tf.distribute.get_replica_context()
-                first = context.replica_id_in_sync_group == 0
-                return context.all_reduce("SUM", tf.where(first, tf.identity(mine), tf.zeros_like(mine)))
+                row = tf.one_hot(context.replica_id_in_sync_group, replicas)
+                return context.all_reduce("SUM", row[:, None] * mine[None, :])
 
-            return self._strategy.run(chiefs_only)
+            return self._strategy.run(each_in_its_row)
 
-        return [float(v) for v in self._strategy.experimental_local_results(summed())[0].numpy()]
+        return self._strategy.experimental_local_results(summed())[0].numpy().tolist()
+
+    def from_chief(self, values):
+        """``values`` (floats) as the chief has them, on every worker (each passes its own): what every worker
+        must agree on."""
+        return self.gathered(values)[0]
 
     def all_reduce_seconds(self, size, repeats=5):
         """The median seconds of this worker's all-reduce of ``size`` bytes of float32 with the other workers
