@@ -162,6 +162,7 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log
                         accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
                                                          f"rate (scale_lr) and the accuracy"))
     rows.sort(key=lambda row: -row.images_per_second)
+    strategy.barrier("plan-measured")  # no host leaves while another still reads the last all-reduce from it
     return ClusterPlan(name, hosts, batch_size, link, step, transport, rows, tuple(each_host))
 
 

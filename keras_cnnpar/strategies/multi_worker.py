@@ -178,6 +178,15 @@ class MultiWorker(CheckpointedStrategy):
 
         return self._strategy.experimental_local_results(summed())[0].numpy().tolist()
 
+    def barrier(self, name):
+        """Wait until every worker has called ``barrier(name)`` (TensorFlow's coordination service), for at most
+        ``timeout`` seconds; each name once a process. For after the last all-reduce of a job: a worker that exits
+        while another still pulls that all-reduce's bytes from it fails it there ("Socket closed": the chief of a
+        cluster plan, in one CI run)."""
+        from tensorflow.python.eager import context
+
+        context.context().wait_at_barrier(f"keras_cnnpar/{name}", int(1000 * self.timeout))
+
     def from_chief(self, values):
         """``values`` (floats) as the chief has them, on every worker (each passes its own): what every worker
         must agree on."""
