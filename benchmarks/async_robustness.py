@@ -5,7 +5,8 @@ same model (same seed: same initial weights, same shuffles, same dropout masks) 
 the 4,000-image training part of mnist-5k at batch 64 under ``Single`` and under ``AsyncPS``, built first and then
 given the strategy (as ``fit(strategy="async-ps")`` is used). It prints each seed's validation accuracies, then per
 model kind and worker count the minimum, the spread (max - min) and the worst gap to Single. Targets: every seed's
-AsyncPS accuracy within 3 points of Single's for the same seed, and no run below 0.5. ``--repeats R`` trains every
+AsyncPS accuracy within 3 points of Single's for the same seed, and no run below 0.5; with more than 8 workers,
+within 5 points and none below 0.9. ``--repeats R`` trains every
 AsyncPS configuration R times per seed (Single's run is deterministic): with 4 workers on 2 cores the outcome
 depends on when each worker's steps land, and the same rule measured 1.6 and 9.2 points behind at worst in two runs
 (docs/measurements/2026-12-02-zen5.md).
@@ -63,9 +64,16 @@ def main():
             summary.append((kind, workers, min(values), max(values) - min(values), worst_gap))
     print(f"\n{'model':7s} {'workers':>7s} {'min':>6s} {'spread':>6s} {'worst gap to single':>20s}  verdict")
     for kind, workers, lowest, spread, worst_gap in summary:
-        verdict = "pass" if worst_gap <= 0.03 and lowest >= 0.5 else "FAIL"
+        gap, floor = target(workers)
+        verdict = "pass" if worst_gap <= gap and lowest >= floor else "FAIL"
         print(f"{kind:7s} {workers:7d} {lowest:6.3f} {spread:6.3f} {worst_gap * 100:17.1f} pt  {verdict}")
-    print("targets: every seed within 3 points of Single's, no run below 0.5")
+    print("targets: every seed within 3 points of Single's and no run below 0.5 with up to 8 workers; within 5 "
+          "points and none below 0.9 with more")
+
+
+def target(workers):
+    """The largest gap to Single and the lowest accuracy that pass with ``workers`` workers."""
+    return (0.03, 0.5) if workers <= 8 else (0.05, 0.9)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.strategies import arguments, base
 from keras_cnnpar.strategies.async_ps import connection, run
-from keras_cnnpar.strategies.async_ps import remote as async_remote
 from keras_cnnpar.strategies.base import CheckpointedStrategy, register
 
 
@@ -275,7 +274,11 @@ class AsyncPS(CheckpointedStrategy):
         settings = settings or base.RunSettings()
         prepared, joined = self.prepared_copy(model, settings), this_process.current("async-ps")
         if joined is None:
-            return async_remote.CoordinatorProcessRun(self, settings, prepared)
+            # Imported here: the coordinator process runs ``-m ...async_ps.remote``, and a package that imported
+            # it first would make Python run it twice there (runpy's RuntimeWarning in the user's stderr).
+            from keras_cnnpar.strategies.async_ps import remote
+
+            return remote.CoordinatorProcessRun(self, settings, prepared)
         run.read_kernels_before_xla(prepared)
         self.build_optimizer(prepared)
         checkpoint = None
