@@ -17,9 +17,11 @@ import functools
 import keras
 import tensorflow as tf
 
+from keras_cnnpar import strategies
+from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.engine import fitting
 from keras_cnnpar.keras_compat import rebuild
-from keras_cnnpar.plan import planner
+from keras_cnnpar.plan import across_hosts, planner
 from keras_cnnpar.runtime import hardware
 from keras_cnnpar.strategies import arguments
 
@@ -44,7 +46,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``; ``"auto"`` measures the
             configurations the logical devices allow on this model and data and trains with the fastest whose
             first step matches Single's (``cnnpar.planner``; the plan is cached). The choice and the runner-up
-            are printed and logged, the plan is ``history.plan`` and the strategy ``history.strategy``.
+            are printed and logged, the plan is ``history.plan`` and the strategy ``history.strategy``. In a
+            process that joined a cluster of hosts (``cnnpar launch``, ``srun``), ``"auto"`` measures across
+            the hosts and trains multi-worker, or single on the chief (``cnnpar.strategies.SingleOnChief``).
         resume: continue an interrupted run from the strategy's checkpoint
             (strategies that keep one: ``MultiWorker``, ``AsyncPS``); the same as
             creating the strategy with ``resume=True``.
@@ -87,11 +91,16 @@ def _auto(model, x, y, batch_size, precision, verbose):
     """``strategy="auto"``: the chosen strategy, the plan, and the line that tells the choice (printed when
     ``verbose``)."""
     fitting.check_model(model)
-    precision = arguments.precision(precision)
+    precision = hardware.auto_precision() if arguments.precision(precision) == "auto" else precision
     lines = []
-    strategy, plan = planner.choose(model, x, y, batch_size=_global_batch(x, batch_size),
-                                    precision=hardware.auto_precision() if precision == "auto" else precision,
-                                    log=lines.append)
+    batch_size = _global_batch(x, batch_size)
+    if this_process.current("multi-worker") is not None:  # a worker of a cluster: plan across its hosts
+        cluster = strategies.MultiWorker(checkpoint_dir=None)
+        strategy, plan = across_hosts.choose(model, x, y, cluster, batch_size=batch_size, precision=precision,
+                                             log=lines.append)
+        verbose = verbose and cluster.is_chief
+    else:
+        strategy, plan = planner.choose(model, x, y, batch_size=batch_size, precision=precision, log=lines.append)
     if verbose:
         print("\n".join(lines))
     return strategy, plan, lines[-1]

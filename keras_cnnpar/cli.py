@@ -262,11 +262,19 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
 
 
 def _auto_devices(devices, checks):
-    """The devices ``--strategy auto`` plans over: ``--devices``, else 2."""
+    """The devices ``--strategy auto`` plans over: ``--devices``, else 2; on a cluster that the environment
+    describes (TF_CONFIG, srun, ...), the cluster is joined first and auto plans across its hosts."""
     if checks:
         raise click.BadParameter("--strategy auto checks the parity of every configuration in its plan; "
                                  "leave --checks out, or name a strategy. Received: --checks", param_hint="--checks")
-    return devices or 2
+    if environments.detect() is None:
+        return devices or 2
+    from keras_cnnpar import strategies
+
+    try:
+        return strategies.create("multi-worker", checkpoint_dir=None).local_devices  # joins before any tensor
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint=environments.detect().name) from None
 
 
 def _checks(model, strategy, train_part, batch_size):

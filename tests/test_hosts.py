@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from keras_cnnpar.cluster import spec as cluster
@@ -125,6 +126,55 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
                             if line.startswith("    2 |")))
     assert two_hosts == pytest.approx(float(synced["images_per_second"]), rel=0.01)
     assert not (tmp_path / "host1" / "planned").exists()
+
+
+AUTO_SCRIPT = """
+import json
+import sys
+
+import numpy as np
+
+import keras_cnnpar as cnnpar  # joins the cluster: CNNPAR_MULTI_WORKER=1 beside TF_CONFIG
+import keras
+
+digits = cnnpar.data.load(sys.argv[1])
+keras.utils.set_random_seed(0)
+model = cnnpar.models.cnn("3+3", input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+history = model.fit(digits.x, digits.y, batch_size=32, epochs=1, strategy="auto", results_dir="results")
+np.savez("weights.npz", *model.get_weights())
+with open("history.json", "w") as file:
+    json.dump({"history": history.history, "strategy": history.strategy.alias}, file)
+"""
+
+
+def test_auto_on_two_hosts_trains_with_what_measured_faster_and_every_host_ends_with_the_same_weights(tmp_path,
+                                                                                                      small_csv):
+    """``fit(strategy="auto")`` in a script on each of two hosts joined at 1 Gbit/s plans across the hosts and
+    trains with what measured faster, single on the chief or multi-worker (on hosts that share two cores,
+    either may win): the choice is the faster of the two figures it prints; both hosts end with the same
+    History and bit-identical weights; only the chief writes, one run of the chosen strategy."""
+    if reason := hosts.unshapeable():
+        pytest.skip(reason)
+    script = tmp_path / "auto.py"
+    script.write_text(AUTO_SCRIPT)
+    with hosts.Hosts(2, rate="1gbit") as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        started = [start(net, i, [sys.executable, str(script), small_csv], tmp_path / f"host{i}",
+                         {**worker_env(spec, i), cluster.JOIN_AT_IMPORT: "1"}) for i in range(2)]
+        codes = [process.wait(timeout=300) for process in started]
+    printed = output(tmp_path / "host0")
+    assert codes == [0, 0], printed[-3000:] + output(tmp_path / "host1")[-3000:]
+    choice = re.search(r"auto: chose (single, 1 host|multi-worker, 2 hosts) \((\d+) images/s\); runner-up "
+                       r"(single, 1 host|multi-worker, 2 hosts) \((\d+) images/s\)", printed)
+    assert choice and int(choice[2]) >= int(choice[4]), printed[-3000:]
+    alias = choice[1].split(",")[0]
+    first, second = (json.loads((tmp_path / f"host{i}" / "history.json").read_text()) for i in range(2))
+    assert first == second and first["strategy"] == alias and len(first["history"]["loss"]) == 1
+    weights = [np.load(tmp_path / f"host{i}" / "weights.npz") for i in range(2)]
+    assert len(weights[0].files) == len(weights[1].files) > 0
+    assert all(np.array_equal(weights[0][name], weights[1][name]) for name in weights[0].files)
+    assert [row["strategy"] for row in runs.read_runs(tmp_path / "host0" / "results" / runs.RUNS_CSV)] == [alias]
+    assert not (tmp_path / "host1" / "results").exists()
 
 
 def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path):

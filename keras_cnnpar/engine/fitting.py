@@ -83,7 +83,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
                 tensorflow=tf.__version__, machine=provenance.machine())
             logging = callback_lib.run_callbacks(info, results_dir, report=report, events=strategy.epoch_events,
                                                  save_weights=save_weights)
-        users = [UserModelCallbacks(callbacks, model, run)] if callbacks else []
+        users = [UserModelCallbacks(callbacks, model, run)] if callbacks and strategy.trains_here else []
         # Tests only: a run that writes results waits after an epoch, its row written (the short fits of the
         # checks and the planner write none).
         held = HoldBetweenEpochs.from_environment() if results_dir is not None else []

@@ -21,6 +21,9 @@ takes part in every measurement; only the chief prints the table and writes
    calibrated prediction says bring communication under 20% of the step
    (:func:`scaling.accumulation_for`), beside that prediction.
 
+:func:`choose` is ``fit(strategy="auto")`` on a cluster: steps 1 to 3, then what
+measured faster, multi-worker or single on the chief.
+
 The hosts must agree on what to run next, so the figures that decide it are
 the chief's, sent to every host by an all-reduce (``MultiWorker.from_chief``).
 AsyncPS needs parameter servers, which a MultiWorker cluster has none of: the
@@ -33,6 +36,7 @@ from its measurements, to which an async-ps run's figure can be added.
 """
 
 import dataclasses
+import itertools
 import math
 
 from keras_cnnpar import strategies
@@ -45,6 +49,8 @@ LINK_REPEATS = 5
 LARGEST_BYTES = 2**28
 #: The slowest host's Single images/s over the fastest's under which the plan advises async-ps.
 UNEVEN = 0.8
+#: The plans measured in this process (each one's barrier has a name of its own; every host plans alike).
+_plans = itertools.count()
 #: The columns of the cluster plan's ``plan.csv``.
 COLUMNS = ("configuration", "images_per_second", "predicted_images_per_second", "communication_share", "advice")
 
@@ -130,9 +136,11 @@ def measure_link(strategy, payload_bytes, seconds=0.25, repeats=LINK_REPEATS):
     return traffic.Link(rate, small / (2 * max(hosts - 1, 1)))
 
 
-def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log=print):
+def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", try_accumulating=True,
+         log=print):
     """Measure ``model`` on the cluster of ``strategy`` (a :class:`strategies.MultiWorker`, joined) on every
-    host: the :class:`ClusterPlan` (see the module's docstring). Every host must call it alike."""
+    host: the :class:`ClusterPlan` (see the module's docstring); ``try_accumulating=False`` leaves out the trial of
+    multi-worker accumulating (its advice stays). Every host must call it alike."""
     hosts = strategy.task.num_workers
     size = scaling.gradient_bytes(model)
     log(f"plan: measuring the link with all-reduces of 4 bytes and of {size / 1e6:.1f} MB or more")
@@ -154,7 +162,7 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log
     rows = [Row("single, 1 host", single, single, 0.0, "one host: nothing crosses the link"),
             Row(_synced_name(hosts), synced, predicted.images_per_second(batch_size), calibrated.communication_share,
                 _advice(calibrated, accumulated, k, synced, batch_size))]
-    if k > 1:
+    if k > 1 and try_accumulating:
         log(f"plan: trying multi-worker on {hosts} hosts accumulating {k} batches per all-reduce")
         (more,) = strategy.from_chief([planner.trial_images_per_second(
             model, strategy.replace(accumulate=k), x, y, batch_size=batch_size, precision=precision)])
@@ -162,8 +170,26 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", log
                         accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
                                                          f"rate (scale_lr) and the accuracy"))
     rows.sort(key=lambda row: -row.images_per_second)
-    strategy.barrier("plan-measured")  # no host leaves while another still reads the last all-reduce from it
+    # No host leaves while another still reads the last all-reduce from it (a name once a process: a plan each).
+    strategy.barrier(f"plan-measured-{next(_plans)}")
     return ClusterPlan(name, hosts, batch_size, link, step, transport, rows, tuple(each_host))
+
+
+def choose(model, x, y, strategy, *, batch_size=64, precision="float32", log=print):
+    """``strategy="auto"`` on the cluster of ``strategy`` (a joined :class:`strategies.MultiWorker`): the plan
+    without its accumulating trial, and what measured faster: multi-worker on every host
+    (``strategies.MultiWorker()``, its defaults) or single on the chief, the others waiting for its weights
+    (:class:`~keras_cnnpar.strategies.multi_worker.SingleOnChief`). Accumulating is not chosen: its update is
+    another batch size's (the plan's advice names it). Every host must call it alike; the choice is the
+    chief's figures, so every host makes the same."""
+    result = plan(model, x, y, strategy, name=model.name, batch_size=batch_size, precision=precision,
+                  try_accumulating=False, log=log)
+    best, runner_up = result.rows
+    log(f"auto: chose {best.configuration} ({best.images_per_second:.0f} images/s); runner-up "
+        f"{runner_up.configuration} ({runner_up.images_per_second:.0f} images/s)")
+    chosen = strategies.MultiWorker() if best.configuration == _synced_name(result.hosts) else \
+        strategies.SingleOnChief(strategy)
+    return chosen, result
 
 
 def _synced_name(hosts):

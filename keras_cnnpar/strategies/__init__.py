@@ -17,7 +17,7 @@ from keras_cnnpar.strategies import registry
 #: The contract's names and the module that defines each.
 _CONTRACT = {**dict.fromkeys(["CheckpointedStrategy", "PeerLost", "Run", "RunSettings", "Strategy", "accepts",
                               "create", "names", "register", "resolve"], "keras_cnnpar.strategies.base"),
-             "Preempted": "keras_cnnpar.strategies.multi_worker"}
+             **dict.fromkeys(["Preempted", "SingleOnChief"], "keras_cnnpar.strategies.multi_worker")}
 
 __all__ = sorted([*_CONTRACT, *(entry.class_name for entry in registry.entries())])
 

@@ -196,6 +196,9 @@ class Strategy(metaclass=_Configuration):
     all_reduce_dtype = None
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
+    #: Whether this process trains at all (False: a worker that waits for the chief's training and receives its
+    #: weights, its callbacks not called).
+    trains_here = True
     #: What the planner's advice suggests when the devices sit idle through much of a step.
     idle_remedy = "a larger batch"
     #: The constructor's arguments as given, defaults filled in (set when the object is created).

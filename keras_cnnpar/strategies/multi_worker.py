@@ -2,6 +2,8 @@
 
 import contextlib
 import faulthandler
+import itertools
+import json
 import re
 import signal
 import statistics
@@ -9,6 +11,7 @@ import sys
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_cnnpar.cluster import environments, local_workers, network, traffic
@@ -16,6 +19,7 @@ from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.strategies import arguments, base
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
+from keras_cnnpar.strategies.single import Single
 
 
 class Preempted(SystemExit):
@@ -128,6 +132,8 @@ class MultiWorker(CheckpointedStrategy):
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)
         self._strategy = joined(self.task, self.timeout)
+        # One function for every call (a plan gathers a few figures at a time): traced once per length of them.
+        self._rows_summed = tf.function(self._replica_rows_summed, reduce_retracing=True)
 
     @property
     def devices(self):
@@ -164,19 +170,18 @@ class MultiWorker(CheckpointedStrategy):
     def gathered(self, values):
         """``values`` (floats) of every replica, in replica order (the chief's first), on every worker: each
         worker passes its own; an all-reduce sums a matrix in which each replica fills its own row."""
-        mine = tf.constant(values, tf.float32)
+        summed = self._rows_summed(tf.constant(values, tf.float32))
+        return self._strategy.experimental_local_results(summed)[0].numpy().tolist()
+
+    def _replica_rows_summed(self, mine):
         replicas = self._strategy.num_replicas_in_sync
 
-        @tf.function
-        def summed():
-            def each_in_its_row():
-                context = tf.distribute.get_replica_context()
-                row = tf.one_hot(context.replica_id_in_sync_group, replicas)
-                return context.all_reduce("SUM", row[:, None] * mine[None, :])
+        def each_in_its_row():
+            context = tf.distribute.get_replica_context()
+            row = tf.one_hot(context.replica_id_in_sync_group, replicas)
+            return context.all_reduce("SUM", row[:, None] * mine[None, :])
 
-            return self._strategy.run(each_in_its_row)
-
-        return self._strategy.experimental_local_results(summed())[0].numpy().tolist()
+        return self._strategy.run(each_in_its_row)
 
     def barrier(self, name):
         """Wait until every worker has called ``barrier(name)`` (TensorFlow's coordination service), for at most
@@ -191,6 +196,24 @@ class MultiWorker(CheckpointedStrategy):
         """``values`` (floats) as the chief has them, on every worker (each passes its own): what every worker
         must agree on."""
         return self.gathered(values)[0]
+
+    def broadcast(self, arrays):
+        """``arrays`` (NumPy) as the chief's first replica has them, on every worker: each worker passes arrays of
+        the same shapes and dtypes, and one all-reduce sums them with every other replica's zeroed (floats travel
+        in their own dtype, so the chief's values arrive exact; other dtypes as float64)."""
+        sent = [tf.constant(a, a.dtype if np.issubdtype(a.dtype, np.floating) else np.float64) for a in arrays]
+
+        @tf.function
+        def summed():
+            def the_first_replicas():
+                context = tf.distribute.get_replica_context()
+                first = tf.equal(context.replica_id_in_sync_group, 0)
+                return context.all_reduce("SUM", [t * tf.cast(first, t.dtype) for t in sent])
+
+            return self._strategy.run(the_first_replicas)
+
+        received = self._strategy.experimental_local_results(summed())[0]
+        return [value.numpy().astype(a.dtype) for value, a in zip(received, arrays)]
 
     def all_reduce_seconds(self, size, repeats=5):
         """The median seconds of this worker's all-reduce of ``size`` bytes of float32 with the other workers
@@ -247,6 +270,79 @@ class MultiWorkerRun(base.Run):
         finally:
             if self.checkpoint is not None:
                 self.checkpoint.stop_watching()
+
+
+class SingleOnChief(Single):
+    """``Single`` on the chief of a joined MultiWorker cluster while the other workers wait: what
+    ``strategy="auto"`` chooses on a cluster where one host trains faster than all of them together (the link
+    costs more than the hosts add; docs/hosts.md).
+
+    The chief trains as ``Single`` trains, and writes the run's files as a
+    Single run. Every other worker trains nothing: its ``fit`` returns when the
+    chief's does, with the chief's ``History`` and the chief's trained weights in
+    its model (the optimizer's state stays the chief's; its callbacks are not
+    called). The chief hands both over through TensorFlow's coordination
+    service (the ``History``, or the chief's error, which the others raise as
+    ``PeerLost``) and one all-reduce (the weights).
+
+    Args:
+        cluster: the joined :class:`MultiWorker` whose chief trains.
+    """
+
+    #: Each ``fit`` under this strategy in a process: its hand-over's key (every worker calls ``fit`` alike).
+    _runs = itertools.count()
+
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster = cluster
+        self.is_chief = cluster.is_chief
+        self.trains_here = cluster.is_chief
+
+    def __repr__(self):
+        return f"<SingleOnChief of {self.cluster!r}>"
+
+    def prepare(self, model, settings=None):
+        settings = settings or base.RunSettings()
+        return SingleOnChiefRun(self, settings, self.prepared_copy(model, settings), key=next(self._runs))
+
+
+class SingleOnChiefRun(base.Run):
+    """A :class:`SingleOnChief` training on this worker: the chief's Keras ``fit``, or the wait for it."""
+
+    def __init__(self, strategy, settings, model, key):
+        super().__init__(strategy, settings, model)
+        self.key = f"keras_cnnpar/single-on-chief/{key}"
+
+    def report(self):
+        task = self.strategy.cluster.task
+        return (f"single on the chief of {task.num_workers} workers; this is {task.type} {task.index}"
+                + (" (chief): it trains" if task.is_chief else ": it waits for the chief's trained weights"))
+
+    def fit(self, train, **fit_kwargs):
+        from tensorflow.python.eager import context
+
+        if not self.strategy.is_chief:
+            handed = json.loads(context.context().get_config_key_value(self.key))  # waits for the chief's
+            if "error" in handed:
+                raise PeerLost(f"the chief's training failed: {handed['error']}")
+            history = keras.callbacks.History()
+            history.history, history.epoch = handed["history"], handed["epoch"]
+            return history
+        try:
+            history = super().fit(train, **fit_kwargs)
+        except BaseException as error:
+            context.context().set_config_key_value(self.key, json.dumps({"error": f"{type(error).__name__}: "
+                                                                                  f"{error}"}))
+            raise
+        logs = {name: [float(value) for value in values] for name, values in history.history.items()}
+        context.context().set_config_key_value(self.key, json.dumps({"history": logs, "epoch": history.epoch}))
+        return history
+
+    def finalize(self, model):
+        """The chief copies its trained state into the user's ``model``; every worker then gets its weights."""
+        if self.strategy.is_chief:
+            super().finalize(model)
+        model.set_weights(self.strategy.cluster.broadcast(model.get_weights()))
 
 
 def _lost_peers(task, message):
