@@ -91,8 +91,9 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
 
 def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
     """``cnnpar plan`` on each of two hosts joined at 1 Gbit/s (a TF_CONFIG on each): the link as the all-reduces
-    saw it is at most the shaped rate; the chief prints single, multi-worker and multi-worker accumulating the
-    advised K, fastest first, each beside its prediction (multi-worker's from the link alone is an upper bound);
+    saw it is at most the shaped rate; the chief prints single, multi-worker, multi-worker accumulating the
+    advised K and async-ps (a worker on each host, its parameter server beside the chief's; its servers gone
+    after the plan), fastest first, each beside its prediction (multi-worker's from the link alone is an upper bound);
     accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
     multi-worker figure; each host's single figure is printed, the chief's first; only the chief writes --out."""
     if reason := hosts.unshapeable():
@@ -113,7 +114,9 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     single = next(float(row["images_per_second"]) for row in rows if row["configuration"] == "single, 1 host")
     assert each_host and float(each_host[1]) == pytest.approx(single, abs=0.5), printed
     assert sorted(row["configuration"].split(", K=")[0] for row in rows) == [
-        "multi-worker, 2 hosts", "multi-worker, 2 hosts", "single, 1 host"]
+        "async-ps, 2 workers + ps", "multi-worker, 2 hosts", "multi-worker, 2 hosts", "single, 1 host"]
+    asynchronous = next(row for row in rows if row["configuration"].startswith("async-ps"))
+    assert float(asynchronous["images_per_second"]) > 0 and float(asynchronous["predicted_images_per_second"]) > 0
     synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")
     assert float(synced["predicted_images_per_second"]) >= float(synced["images_per_second"])
     k = int(re.search(r"accumulate=(\d+) \(one all-reduce per", synced["advice"])[1])

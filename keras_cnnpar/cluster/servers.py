@@ -129,6 +129,40 @@ def _wait_for_servers(spec, processes, outputs, timeout):
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def serving(cluster, tasks, *, timeout=60):
+    """Serve ``tasks`` (``(job, index)`` pairs) of ``cluster`` from server processes of this process for the
+    length of the block: it begins once each listens on its port, and they end with it (SIGTERM), or with this
+    process (each has it as its starter), whichever comes first.
+
+    For a cluster of a moment on hosts that run this process already (``cnnpar plan``'s AsyncPS trial); servers
+    that outlive their starter are :func:`start_servers`'s and ``cnnpar cluster serve``'s.
+    """
+    spec = {job: [cluster[job][index] for kind, index in tasks if kind == job] for job, _ in tasks}
+    processes = {job: [] for job in spec}
+    with contextlib.ExitStack() as files:
+        outputs = {}
+        try:
+            for job, index in tasks:
+                outputs[job, len(processes[job])] = output = files.enter_context(tempfile.TemporaryFile())
+                processes[job].append(subprocess.Popen(
+                    python_command("-m", "keras_cnnpar.cluster.servers", "--cluster-json", json.dumps(cluster),
+                                   "--job", job, "--index", str(index), "--starter", str(os.getpid())),
+                    stdout=output, stderr=subprocess.STDOUT))
+            _wait_for_servers(spec, processes, outputs, timeout)
+            yield
+        finally:
+            started = [process for each in processes.values() for process in each]
+            for process in started:
+                process.terminate()
+            for process in started:
+                try:
+                    process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
 def _start_time(pid):
     """When ``pid`` started (clock ticks since boot), or None once it is gone: with the pid, it names a process."""
     try:

@@ -1,5 +1,5 @@
-"""``cnnpar plan`` on a cluster: single, multi-worker and multi-worker with accumulation measured on the hosts
-themselves, each beside its prediction, ranked by what was measured.
+"""``cnnpar plan`` on a cluster: single, multi-worker, multi-worker with accumulation and async-ps measured on the
+hosts themselves, each beside its prediction, ranked by what was measured.
 
 Run it on every host as any MultiWorker job runs: ``cnnpar launch --workers N
 -- cnnpar plan`` on one machine, ``srun cnnpar plan`` under Slurm, or with
@@ -19,16 +19,20 @@ takes part in every measurement; only the chief prints the table and writes
    transport (``HostStep.transport_to``), which calibrates what follows;
 4. MultiWorker accumulating the ``K`` batches per all-reduce that the
    calibrated prediction says bring communication under 20% of the step
-   (:func:`scaling.accumulation_for`), beside that prediction.
+   (:func:`scaling.accumulation_for`), beside that prediction;
+5. AsyncPS with a worker on every host and its parameter server beside the
+   chief's worker, each a TensorFlow server that its host runs for the trial,
+   beside its prediction from the link alone (``AsyncPS.host_step``).
 
 :func:`choose` is ``fit(strategy="auto")`` on a cluster: steps 1 to 3, then what
 measured faster, multi-worker or single on the chief.
 
 The hosts must agree on what to run next, so the figures that decide it are
-the chief's, sent to every host by an all-reduce (``MultiWorker.from_chief``).
-AsyncPS needs parameter servers, which a MultiWorker cluster has none of: the
-plan prints the ``cnnpar plan --hosts`` command that predicts larger clusters
-from its measurements, to which an async-ps run's figure can be added.
+the chief's, sent to every host by an all-reduce (``MultiWorker.from_chief``),
+or, for a figure that takes longer than a collective may wait (the async-ps
+trial), through TensorFlow's coordination service (``MultiWorker.publish``).
+The chief prints the ``cnnpar plan --hosts`` command that predicts larger
+clusters from the multi-worker figure.
 
 >>> row = Row("multi-worker, 2 hosts", 294.0, 438.0, 0.74, "")
 >>> round(row.measured_over_predicted, 2)
@@ -38,9 +42,10 @@ from its measurements, to which an async-ps run's figure can be added.
 import dataclasses
 import itertools
 import math
+import sys
 
 from keras_cnnpar import strategies
-from keras_cnnpar.cluster import traffic
+from keras_cnnpar.cluster import network, servers, traffic
 from keras_cnnpar.plan import figures, planner, scaling
 
 #: Repeats of each timed all-reduce of :func:`measure_link`; the median counts.
@@ -136,11 +141,12 @@ def measure_link(strategy, payload_bytes, seconds=0.25, repeats=LINK_REPEATS):
     return traffic.Link(rate, small / (2 * max(hosts - 1, 1)))
 
 
-def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", try_accumulating=True,
-         log=print):
+def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", advice_trials=True, log=print):
     """Measure ``model`` on the cluster of ``strategy`` (a :class:`strategies.MultiWorker`, joined) on every
-    host: the :class:`ClusterPlan` (see the module's docstring); ``try_accumulating=False`` leaves out the trial of
-    multi-worker accumulating (its advice stays). Every host must call it alike."""
+    host: the :class:`ClusterPlan` (see the module's docstring); ``advice_trials=False`` leaves out the trials of
+    multi-worker accumulating and of async-ps, which ``auto`` does not choose (the advice stays). Every host must
+    call it alike."""
+    number = next(_plans)
     hosts = strategy.task.num_workers
     size = scaling.gradient_bytes(model)
     log(f"plan: measuring the link with all-reduces of 4 bytes and of {size / 1e6:.1f} MB or more")
@@ -162,16 +168,18 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", try
     rows = [Row("single, 1 host", single, single, 0.0, "one host: nothing crosses the link"),
             Row(_synced_name(hosts), synced, predicted.images_per_second(batch_size), calibrated.communication_share,
                 _advice(calibrated, accumulated, k, synced, batch_size))]
-    if k > 1 and try_accumulating:
+    if k > 1 and advice_trials:
         log(f"plan: trying multi-worker on {hosts} hosts accumulating {k} batches per all-reduce")
         (more,) = strategy.from_chief([planner.trial_images_per_second(
             model, strategy.replace(accumulate=k), x, y, batch_size=batch_size, precision=precision)])
         rows.append(Row(f"{_synced_name(hosts)}, K={k}", more, accumulated.images_per_second(batch_size),
                         accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
                                                          f"rate (scale_lr) and the accuracy"))
+    if advice_trials:
+        log(f"plan: trying async-ps with a worker on each of the {hosts} hosts")
+        rows += _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log)
     rows.sort(key=lambda row: -row.images_per_second)
-    # No host leaves while another still reads the last all-reduce from it (a name once a process: a plan each).
-    strategy.barrier(f"plan-measured-{next(_plans)}")
+    strategy.barrier(f"plan-measured-{number}")  # no host leaves while another still reads the last all-reduce
     return ClusterPlan(name, hosts, batch_size, link, step, transport, rows, tuple(each_host))
 
 
@@ -183,13 +191,49 @@ def choose(model, x, y, strategy, *, batch_size=64, precision="float32", log=pri
     another batch size's (the plan's advice names it). Every host must call it alike; the choice is the
     chief's figures, so every host makes the same."""
     result = plan(model, x, y, strategy, name=model.name, batch_size=batch_size, precision=precision,
-                  try_accumulating=False, log=log)
+                  advice_trials=False, log=log)
     best, runner_up = result.rows
     log(f"auto: chose {best.configuration} ({best.images_per_second:.0f} images/s); runner-up "
         f"{runner_up.configuration} ({runner_up.images_per_second:.0f} images/s)")
     chosen = strategies.MultiWorker() if best.configuration == _synced_name(result.hosts) else \
         strategies.SingleOnChief(strategy)
     return chosen, result
+
+
+def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log):
+    """AsyncPS on the hosts of ``strategy``, as one row (none where its trial failed, which the chief logs): a
+    worker on every host and the parameter server beside the chief's, each a TensorFlow server that its host
+    runs for the trial (:func:`servers.serving`); the chief trains through them as AsyncPS's coordinator while
+    the others wait for its figure."""
+    task = strategy.task
+    hosts = [address.rpartition(":")[0] for job in ("chief", "worker") for address in task.cluster.get(job, ())]
+    here = len(task.cluster.get("chief", ())) * (task.type == "worker") + task.index
+    ports = network.free_ports(2, hosts[here])
+    each_replica = strategy.gathered(ports)
+    each_host = each_replica[::len(each_replica) // len(hosts)]
+    spec = {"worker": [f"{host}:{ports[0]:.0f}" for host, ports in zip(hosts, each_host)],
+            "ps": [f"{hosts[0]}:{each_host[0][1]:.0f}"]}
+    name = f"plan-async-ps-{number}"
+    print(network.exposure_warning("plan's async-ps trial", ports[:1 + task.is_chief]), file=sys.stderr, flush=True)
+    with servers.serving(spec, [("worker", here)] + [("ps", 0)] * task.is_chief, timeout=strategy.timeout):
+        if task.is_chief:
+            try:
+                measured = planner.trial_images_per_second(
+                    model, strategies.AsyncPS(cluster=spec, checkpoint_dir=None, timeout=strategy.timeout), x, y,
+                    batch_size=batch_size, precision=precision)
+            except Exception as error:  # the plan goes on without it, as a local plan's failed trial
+                log(f"plan: async-ps failed ({type(error).__name__}: {error}); it is left out")
+                measured = None
+            strategy.publish(name, measured)
+        else:
+            measured = strategy.published(name)
+    if measured is None:
+        return []
+    predicted = strategies.AsyncPS.host_step(len(hosts), step, link, size, workers_beside_ps=True)
+    return [Row(f"async-ps, {len(hosts)} workers + ps", measured, predicted.images_per_second(batch_size),
+                predicted.communication_share,
+                "asynchronous: each update one worker's batch, on weights the other workers move meanwhile; it "
+                "does not wait for a slow host (docs/async.md)")]
 
 
 def _synced_name(hosts):

@@ -192,6 +192,20 @@ class MultiWorker(CheckpointedStrategy):
 
         context.context().wait_at_barrier(f"keras_cnnpar/{name}", int(1000 * self.timeout))
 
+    def publish(self, name, value):
+        """On the chief: hand ``value`` (JSON-ready) to every worker that waits in :meth:`published` (TensorFlow's
+        coordination service's key-value store; a name once a process). For what takes longer than a collective
+        may wait (``timeout``): a trial, a training."""
+        from tensorflow.python.eager import context
+
+        context.context().set_config_key_value(f"keras_cnnpar/{name}", json.dumps(value))
+
+    def published(self, name):
+        """On the other workers: what the chief publishes as ``name``, waited for without a time limit."""
+        from tensorflow.python.eager import context
+
+        return json.loads(context.context().get_config_key_value(f"keras_cnnpar/{name}"))
+
     def from_chief(self, values):
         """``values`` (floats) as the chief has them, on every worker (each passes its own): what every worker
         must agree on."""
@@ -311,7 +325,7 @@ class SingleOnChiefRun(base.Run):
 
     def __init__(self, strategy, settings, model, key):
         super().__init__(strategy, settings, model)
-        self.key = f"keras_cnnpar/single-on-chief/{key}"
+        self.key = f"single-on-chief/{key}"
 
     def report(self):
         task = self.strategy.cluster.task
@@ -319,10 +333,9 @@ class SingleOnChiefRun(base.Run):
                 + (" (chief): it trains" if task.is_chief else ": it waits for the chief's trained weights"))
 
     def fit(self, train, **fit_kwargs):
-        from tensorflow.python.eager import context
-
-        if not self.strategy.is_chief:
-            handed = json.loads(context.context().get_config_key_value(self.key))  # waits for the chief's
+        cluster = self.strategy.cluster
+        if not cluster.is_chief:
+            handed = cluster.published(self.key)  # when the chief's training ends
             if "error" in handed:
                 raise PeerLost(f"the chief's training failed: {handed['error']}")
             history = keras.callbacks.History()
@@ -331,11 +344,10 @@ class SingleOnChiefRun(base.Run):
         try:
             history = super().fit(train, **fit_kwargs)
         except BaseException as error:
-            context.context().set_config_key_value(self.key, json.dumps({"error": f"{type(error).__name__}: "
-                                                                                  f"{error}"}))
+            cluster.publish(self.key, {"error": f"{type(error).__name__}: {error}"})
             raise
         logs = {name: [float(value) for value in values] for name, values in history.history.items()}
-        context.context().set_config_key_value(self.key, json.dumps({"history": logs, "epoch": history.epoch}))
+        cluster.publish(self.key, {"history": logs, "epoch": history.epoch})
         return history
 
     def finalize(self, model):

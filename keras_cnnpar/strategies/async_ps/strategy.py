@@ -153,10 +153,12 @@ class AsyncPS(CheckpointedStrategy):
     elastic = True
 
     @classmethod
-    def host_step(cls, hosts, compute_seconds, link, gradient_bytes, ps=1):
+    def host_step(cls, hosts, compute_seconds, link, gradient_bytes, ps=1, workers_beside_ps=False):
         """``hosts - ps`` workers, each on a host of its own, that move in step: they all read every variable at
         once, sharing the parameter servers' links (each carries ``1 / ps`` of the variables), compute the whole
         batch's step, and all write their gradients at once. None without a host for a worker.
+        ``workers_beside_ps``: a worker on every host, the parameter servers' hosts included, whose bytes to
+        their own host's server stay off the link (``cnnpar plan`` on a cluster).
 
         Measured across namespace hosts (docs/hosts.md): the parameter server's link carried its bytes at under
         half its rate, so the workers' reads and writes do not interleave; a step waits for every worker's
@@ -165,11 +167,14 @@ class AsyncPS(CheckpointedStrategy):
         >>> step = AsyncPS.host_step(3, 0.072, traffic.Link.parse("1gbit"), 13_000_000)
         >>> round(step.communication_seconds, 3), step.parallel_steps, round(step.images_per_second(64))
         (0.416, 2, 262)
+        >>> AsyncPS.host_step(3, 0.072, traffic.Link.parse("1gbit"), 13_000_000, workers_beside_ps=True).parallel_steps
+        3
         """
-        workers = hosts - ps
-        if workers < 1:
+        crossing = hosts - ps  # the workers whose bytes cross the parameter servers' links
+        workers = hosts if workers_beside_ps else crossing
+        if workers < 1 or crossing < 0:
             return None
-        communication = link.seconds(2 * workers * gradient_bytes / ps, rounds=2)
+        communication = link.seconds(2 * crossing * gradient_bytes / ps, rounds=2)
         return traffic.HostStep(compute_seconds, communication, parallel_steps=workers)
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
