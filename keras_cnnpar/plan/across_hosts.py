@@ -185,11 +185,12 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", adv
 
 def choose(model, x, y, strategy, *, batch_size=64, precision="float32", log=print):
     """``strategy="auto"`` on the cluster of ``strategy`` (a joined :class:`strategies.MultiWorker`): the plan
-    without its accumulating trial, and what measured faster: multi-worker on every host
+    without its advice trials, and what measured faster: multi-worker on every host
     (``strategies.MultiWorker()``, its defaults) or single on the chief, the others waiting for its weights
-    (:class:`~keras_cnnpar.strategies.multi_worker.SingleOnChief`). Accumulating is not chosen: its update is
-    another batch size's (the plan's advice names it). Every host must call it alike; the choice is the
-    chief's figures, so every host makes the same."""
+    (:class:`~keras_cnnpar.strategies.multi_worker.SingleOnChief`). Neither accumulating (an update of another
+    batch size) nor async-ps (updates from stale weights) is chosen, as ``auto`` on one host chooses nothing
+    whose first step differs from Single's; the plan's advice names them. Every host must call it alike; the
+    choice is the chief's figures, so every host makes the same."""
     result = plan(model, x, y, strategy, name=model.name, batch_size=batch_size, precision=precision,
                   advice_trials=False, log=log)
     best, runner_up = result.rows
