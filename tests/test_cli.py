@@ -8,6 +8,7 @@ import click
 import pytest
 
 from keras_cnnpar import cli
+from keras_cnnpar.cli import training
 from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
@@ -184,7 +185,7 @@ def test_a_malformed_mesh_exits_2_naming_the_expected_form(tmp_path, mesh):
 
 
 def test_a_mesh_is_read_as_data_by_model():
-    assert cli._mesh("3x1") == (3, 1) and cli._mesh("2X4") == (2, 4) and cli._mesh(None) is None
+    assert training._mesh("3x1") == (3, 1) and training._mesh("2X4") == (2, 4) and training._mesh(None) is None
 
 
 @pytest.mark.slow
@@ -203,7 +204,7 @@ def test_docs_list_exactly_the_options_of_train():
     text = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
     table = text.split("## `cnnpar train`", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`(--[a-z-]+)", table))
-    options = {param.opts[0] for param in cli.train.params if isinstance(param, click.Option)}
+    options = {param.opts[0] for param in training.train.params if isinstance(param, click.Option)}
     assert documented == options - {"--help"}
 
 
@@ -280,10 +281,10 @@ def test_the_command_line_given_to_each_worker_gives_it_every_parameter_of_the_l
     repeated options included."""
     given = ["--strategy", "multi-worker", "--workers", "2", "--no-fused-optimizer", "--checks", "--option",
              "timeout=5", "--option", "scale_lr='linear'", "--epochs", "1", "--results", "somewhere"]
-    context = cli.train.make_context("train", list(given))
-    again = cli._command_line(context)
+    context = training.train.make_context("train", list(given))
+    again = training._command_line(context)
     assert again[0] == "train"
-    assert cli.train.make_context("train", again[1:]).params == context.params
+    assert training.train.make_context("train", again[1:]).params == context.params
     assert context.params["fused_optimizer"] is False and context.params["strategy_options"] == (
         "timeout=5", "scale_lr='linear'")
 
