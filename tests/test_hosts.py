@@ -180,6 +180,60 @@ def test_auto_on_two_hosts_trains_with_what_measured_faster_and_every_host_ends_
     assert not (tmp_path / "host1" / "results").exists()
 
 
+SINGLE_ON_CHIEF_SCRIPT = """
+import json
+import sys
+
+import numpy as np
+
+import keras_cnnpar as cnnpar  # joins the cluster: CNNPAR_MULTI_WORKER=1 beside TF_CONFIG
+import keras
+
+
+class FailsOnTheChief(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise RuntimeError("the chief's callback failed on purpose")
+
+
+digits = cnnpar.data.load(sys.argv[1])
+keras.utils.set_random_seed(int(sys.argv[2]))  # each host its own initial weights
+model = cnnpar.models.cnn("3+3", input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+strategy = cnnpar.strategies.SingleOnChief(cnnpar.MultiWorker(checkpoint_dir=None))
+history = model.fit(digits.x, digits.y, batch_size=32, epochs=2, strategy=strategy, results_dir=None, verbose=0,
+                    callbacks=[FailsOnTheChief()] if sys.argv[3] == "fails" else None)
+np.savez("weights.npz", *model.get_weights())
+with open("history.json", "w") as file:
+    json.dump(history.history, file)
+"""
+
+
+@pytest.mark.parametrize("outcome", ["trains", "fails"])
+def test_single_on_the_chief_hands_its_weights_and_history_or_its_error_to_the_other_host(tmp_path, small_csv,
+                                                                                         outcome):
+    """``SingleOnChief`` (what ``auto`` runs where one host trains faster than all): the chief trains, the other
+    host, which starts from other weights, ends with the chief's History and bit-identical weights; when the
+    chief's training fails, the other host raises ``PeerLost`` naming the chief's error."""
+    script = tmp_path / "single_on_chief.py"
+    script.write_text(SINGLE_ON_CHIEF_SCRIPT)
+    with hosts.Hosts(2) as net:
+        spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
+        started = [start(net, i, [sys.executable, str(script), small_csv, str(i), outcome], tmp_path / f"host{i}",
+                         {**worker_env(spec, i), cluster.JOIN_AT_IMPORT: "1"}) for i in range(2)]
+        codes = [process.wait(timeout=180) for process in started]
+    printed = [output(tmp_path / f"host{i}") for i in range(2)]
+    if outcome == "fails":
+        assert codes == [1, 1], printed[0][-2000:] + printed[1][-2000:]
+        assert "PeerLost: the chief's training failed: RuntimeError: the chief's callback failed on purpose" in \
+            printed[1], printed[1][-2000:]
+        assert not (tmp_path / "host1" / "weights.npz").exists()
+        return
+    assert codes == [0, 0], printed[0][-2000:] + printed[1][-2000:]
+    first, second = (json.loads((tmp_path / f"host{i}" / "history.json").read_text()) for i in range(2))
+    assert first == second and len(first["loss"]) == 2
+    weights = [np.load(tmp_path / f"host{i}" / "weights.npz") for i in range(2)]
+    assert all(np.array_equal(weights[0][name], weights[1][name]) for name in weights[0].files)
+
+
 def test_a_users_script_runs_unchanged_on_each_host_with_its_tf_config(tmp_path):
     script = [sys.executable, str(EXAMPLES / "launch_any_script.py"), "--epochs", "1", "--examples", "400"]
     with hosts.Hosts(2) as net:
