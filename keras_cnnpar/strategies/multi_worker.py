@@ -299,6 +299,14 @@ class SingleOnChief(Single):
     service (the ``History``, or the chief's error, which the others raise as
     ``PeerLost``) and one all-reduce (the weights).
 
+    Example (a script run on every host by ``cnnpar launch`` or ``srun``; ``strategy="auto"`` makes this choice
+    itself where it measures single faster):
+
+    >>> import keras_cnnpar as cnnpar                     # joins the cluster here
+    >>> strategy = cnnpar.strategies.SingleOnChief(cnnpar.MultiWorker())  # doctest: +SKIP
+    >>> history = model.fit(x, y, batch_size=64, epochs=3,
+    ...                     strategy=strategy)            # doctest: +SKIP
+
     Args:
         cluster: the joined :class:`MultiWorker` whose chief trains.
     """
