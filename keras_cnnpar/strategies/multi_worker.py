@@ -134,6 +134,7 @@ class MultiWorker(CheckpointedStrategy):
         self._strategy = joined(self.task, self.timeout)
         # One function for every call (a plan gathers a few figures at a time): traced once per length of them.
         self._rows_summed = tf.function(self._replica_rows_summed, reduce_retracing=True)
+        self._first_replicas_summed = tf.function(self._first_replica_sum, reduce_retracing=True)
 
     @property
     def devices(self):
@@ -209,25 +210,24 @@ class MultiWorker(CheckpointedStrategy):
     def from_chief(self, values):
         """``values`` (floats) as the chief has them, on every worker (each passes its own): what every worker
         must agree on."""
-        return self.gathered(values)[0]
+        (chief,) = self.broadcast([np.asarray(values, np.float64)])
+        return chief.tolist()
 
     def broadcast(self, arrays):
         """``arrays`` (NumPy) as the chief's first replica has them, on every worker: each worker passes arrays of
         the same shapes and dtypes, and one all-reduce sums them with every other replica's zeroed (floats travel
         in their own dtype, so the chief's values arrive exact; other dtypes as float64)."""
         sent = [tf.constant(a, a.dtype if np.issubdtype(a.dtype, np.floating) else np.float64) for a in arrays]
-
-        @tf.function
-        def summed():
-            def the_first_replicas():
-                context = tf.distribute.get_replica_context()
-                first = tf.equal(context.replica_id_in_sync_group, 0)
-                return context.all_reduce("SUM", [t * tf.cast(first, t.dtype) for t in sent])
-
-            return self._strategy.run(the_first_replicas)
-
-        received = self._strategy.experimental_local_results(summed())[0]
+        received = self._strategy.experimental_local_results(self._first_replicas_summed(sent))[0]
         return [value.numpy().astype(a.dtype) for value, a in zip(received, arrays)]
+
+    def _first_replica_sum(self, sent):
+        def the_first_replicas():
+            context = tf.distribute.get_replica_context()
+            first = tf.equal(context.replica_id_in_sync_group, 0)
+            return context.all_reduce("SUM", [t * tf.cast(first, t.dtype) for t in sent])
+
+        return self._strategy.run(the_first_replicas)
 
     def all_reduce_seconds(self, size, repeats=5):
         """The median seconds of this worker's all-reduce of ``size`` bytes of float32 with the other workers
