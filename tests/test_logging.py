@@ -1,5 +1,6 @@
 import concurrent.futures
 import csv
+import errno
 import logging
 import os
 import re
@@ -306,6 +307,20 @@ def test_a_disk_that_fills_while_the_weights_are_written_leaves_the_earlier_run_
             f"written into {results}: No space left on device; runs.csv and the weights still hold the runs before "
             f"it [run {second[0].rsplit(' ', 1)[1]}")
         assert [path.name for path in results.rglob("*") if ".partial" in path.name] == []
+
+
+def test_a_row_that_cannot_be_written_logs_the_run_failed_once_without_weights_too(
+        small_cnn, tmp_path, train, monkeypatch):
+    """Without ``save_weights`` the run's end is written by ``on_train_end``, inside Keras's fit: its failure was
+    logged there and again by ``cnnpar.fit`` on the way out, two ``failed`` lines for one run."""
+    def full_disk(*args, **kwargs):  # runs.csv's row, as a disk that fills at the end of training refuses it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(runs, "append_run", full_disk)
+    with pytest.raises(callbacks.RunNotRecorded, match="No space left on device"):
+        train(small_cnn(), tmp_path, epochs=1)
+    lines = (tmp_path / "results.log").read_text().splitlines()
+    assert [line.split()[1] for line in lines] == ["start", "machine", "epoch", "failed"], lines
 
 
 def test_speedup_is_measured_only_against_a_single_run_of_the_same_data_precision_and_machine(

@@ -96,8 +96,9 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             if logging:
                 epoch_logger, recorder = logging
                 epoch_logger.close()
-                with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide the error
-                    recorder.on_failure(error)
+                if not isinstance(error, callback_lib.RunNotRecorded):  # that one logged the run failed itself
+                    with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide it
+                        recorder.on_failure(error)
             raise
         text.into(history)
         run.finalize(model)
