@@ -175,17 +175,19 @@ def test_the_3_plus_3_cnn_under_async_ps_2_ends_within_5_points_of_single(seed):
     assert asynchronous["val_accuracy"][-1] >= single["val_accuracy"][-1] - ASYNC_GAP, (single, asynchronous)
 
 
-def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it():
+@pytest.mark.parametrize("steps_per_execution", [1, 8])
+def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it(steps_per_execution):
     """With the learning rate at 0 the weights never move, so an epoch's loss and accuracy depend only on which
     batches it trained on: AsyncPS(4), one step per scheduled group, gives Single's, and the optimizer counts
     every step. (Before, each worker read the epoch from a random offset of its own, some batches twice and
-    others never; Keras's metric and step counters, read and written back by 4 workers at once, lost counts.)"""
+    others never; Keras's metric and step counters, read and written back by 4 workers at once, lost counts.)
+    So do groups of 8, which an epoch of 16 steps over 4 workers cuts to groups of 4 (``steps_per_group``)."""
     digits = cnnpar.data.load()
     x, y = digits.x[:1000], digits.y[:1000]  # 15 batches of 64 and one of 40: the loss weighs them by size
     logs, iterations = {}, {}
     for name, strategy in [("single", cnnpar.Single()),
-                           ("async", cnnpar.AsyncPS(workers=4, steps_per_execution=1, warmup_steps=0,
-                                                    checkpoint_dir=None))]:
+                           ("async", cnnpar.AsyncPS(workers=4, steps_per_execution=steps_per_execution,
+                                                    warmup_steps=0, checkpoint_dir=None))]:
         model = build_small_cnn(seed=0, learning_rate=0.0)
         history = model.fit(x, y, batch_size=64, epochs=2, strategy=strategy, results_dir=None, verbose=0)
         logs[name] = {key: history.history[key] for key in ("loss", "accuracy")}

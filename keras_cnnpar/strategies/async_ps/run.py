@@ -55,7 +55,9 @@ class AsyncRun(base.Run):
         """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
         finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
         strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
-        async_loop = _AsyncLoop(strategy, self.connection, prepared, strategy.steps_per_execution, steps)
+        workers = len(self.connection.cluster["worker"])
+        async_loop = _AsyncLoop(strategy, self.connection, prepared,
+                                steps_per_group(strategy.steps_per_execution, steps, workers), steps)
         evaluator = _evaluator(prepared) if validation_data is not None else None
 
         def train_epoch(epoch, callback_list):
@@ -369,6 +371,19 @@ def _keras_metric(metric):
 #: version lacks are left out).
 ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Ftrl",
                        "Lion", "Lamb", "Muon")
+
+
+def steps_per_group(steps_per_execution, steps, workers):
+    """The steps of each group an epoch of ``steps`` is scheduled in: ``steps_per_execution``, or fewer where
+    that would leave some of the ``workers`` without a group (at least one step).
+
+    Groups are what the workers take, one at a time, so an epoch of 63 steps in
+    groups of 8 keeps at most 8 workers busy, whatever the cluster's size.
+
+    >>> steps_per_group(8, 63, 4), steps_per_group(8, 63, 8), steps_per_group(8, 63, 16), steps_per_group(8, 5, 16)
+    (8, 7, 3, 1)
+    """
+    return max(1, min(steps_per_execution, steps // workers))
 
 
 def staleness_power(optimizer):

@@ -133,7 +133,9 @@ class AsyncPS(CheckpointedStrategy):
             validation, each epoch's weights and the trained model are (default
             0.95, as Keras's optimizer option of that name); None: the last
             update's weights. An optimizer with ``use_ema=True`` keeps its own.
-        steps_per_execution: training steps per scheduled function (default 8).
+        steps_per_execution: training steps per scheduled function (default 8);
+            fewer where an epoch has fewer than that per worker, so that every
+            worker has a group (:func:`.run.steps_per_group`).
         timeout: seconds to wait for the servers of ``cluster`` to answer.
         checkpoint_dir: folder of the per-epoch checkpoints (one sub-folder per
             run configuration); None turns them off.
