@@ -7,7 +7,7 @@ Needs root: the hosts are network namespaces on this machine (``tests/hosts.py``
 epochs; images/s is the median of the epochs after the first, and of ``--repeats`` runs of each configuration:
 the same run on hosts that share 2 cores has read 778 and 1,150 images/s), runs:
 
-- single on one host (once, unshaped: it sends nothing);
+- single on one host (unshaped, once per model: it sends nothing);
 - multi-worker on 2 and on 3 hosts;
 - multi-worker on 2 hosts with the accumulation the prediction advises (communication under 20% of the step),
   at most ``--max-accumulate`` (an epoch keeps at least 4 steps);
