@@ -45,6 +45,7 @@ class AsyncRun(base.Run):
                     if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
+                 many_workers_note(len(self.connection.cluster["worker"])),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
                    for task, (count, size) in sorted(self.held.items())),
                  self.resumed_line()]
@@ -371,6 +372,25 @@ def _keras_metric(metric):
 #: version lacks are left out).
 ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Ftrl",
                        "Lion", "Lamb", "Muon")
+
+
+#: From this many workers on, the run's report says what the staleness costs (docs/async.md, Many workers).
+MANY_WORKERS = 8
+
+
+def many_workers_note(workers):
+    """The run report's line for ``workers`` workers: from :data:`MANY_WORKERS` on, what the staleness costs.
+
+    >>> many_workers_note(4)
+    ''
+    >>> print(many_workers_note(16))  # doctest: +NORMALIZE_WHITESPACE
+    16 workers: each update is staler than with 4; on the CNNs measured, 8 or more workers ended below Single's
+    accuracy in the same epochs, some collapsed (docs/async.md, Many workers)
+    """
+    if workers < MANY_WORKERS:
+        return ""
+    return (f"{workers} workers: each update is staler than with 4; on the CNNs measured, {MANY_WORKERS} or more "
+            f"workers ended below Single's accuracy in the same epochs, some collapsed (docs/async.md, Many workers)")
 
 
 def steps_per_group(steps_per_execution, steps, workers):
