@@ -27,8 +27,9 @@ class AsyncPS(CheckpointedStrategy):
     and applies its gradients at once. Each step uses the whole ``batch_size``
     on one worker; an epoch is the usual number of steps, spread over the
     workers. Each scheduled group names its batches (the epoch's next
-    ``steps_per_execution``, in order), so an epoch trains on every batch once,
-    as under ``Single``, whichever worker runs which group, and a group that
+    ``steps_per_execution``, fewer where that would leave a worker idle, in
+    order), so an epoch trains on every batch once, as under ``Single``,
+    whichever worker runs which group, and a group that
     a lost worker left unfinished runs again on its own batches elsewhere,
     from its first step whose update had not begun: no step is applied twice,
     and the one in flight when the worker died may be lost.
