@@ -90,15 +90,19 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
 
 
 def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
-    """``cnnpar plan`` on each of two hosts joined at 1 Gbit/s (a TF_CONFIG on each): the link as the all-reduces
+    """``cnnpar plan`` on each of two hosts joined at 150 Mbit/s (a TF_CONFIG on each): the link as the all-reduces
     saw it is at most the shaped rate; the chief prints single, multi-worker, multi-worker accumulating the
     advised K and async-ps (a worker on each host, its parameter server beside the chief's; its servers gone
     after the plan), fastest first, each beside its prediction (multi-worker's from the link alone is an upper bound);
     accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
-    multi-worker figure; each host's single figure is printed, the chief's first; only the chief writes --out."""
+    multi-worker figure; each host's single figure is printed, the chief's first; only the chief writes --out.
+
+    At 150 Mbit/s the 3+3's megabyte a step is most of its step (the plan advised K=10 on an AMD EPYC Zen 4: a
+    machine eight times slower would still be advised to accumulate), so the plan always tries accumulating; at
+    1 Gbit/s one CI run's slower step left communication under 20% of it, and the plan no accumulating row."""
     if reason := hosts.unshapeable():
         pytest.skip(reason)
-    with hosts.Hosts(2, rate="1gbit") as net:
+    with hosts.Hosts(2, rate="150mbit") as net:
         spec = {"worker": [f"{net.address(i)}:2222" for i in range(2)]}
         line = cnnpar_command("plan", "--model", "3+3", "--data", small_csv, "--out", "planned")
         started = [start(net, i, line, tmp_path / f"host{i}", worker_env(spec, i)) for i in range(2)]
@@ -106,7 +110,7 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     printed = output(tmp_path / "host0")
     assert codes == [0, 0], printed[-3000:] + output(tmp_path / "host1")[-3000:]
     rate = float(re.search(r"the link as TensorFlow's all-reduce sees it: ([0-9.]+)mbit", printed)[1])
-    assert rate <= 1.1e3, printed
+    assert rate <= 165, printed
     rows = read_rows(tmp_path / "host0" / "planned" / "plan.csv")
     measured = [float(row["images_per_second"]) for row in rows]
     assert measured == sorted(measured, reverse=True)  # ranked by what was measured
