@@ -266,6 +266,7 @@ def test_an_unreachable_cluster_fails_once_its_timeout_has_passed():
                                               "and a port in 1..65535. Received: chief[0]='10.0.0.1'"),
     ({"coordinator": 7000}, TypeError, "coordinator must be a 'host:port' string. Received: coordinator=7000"),
     ({"precise_bn": -1}, ValueError, "precise_bn must be an int of at least 0. Received: precise_bn=-1"),
+    ({"batch_slices": 0}, ValueError, "batch_slices must be a positive int. Received: batch_slices=0"),
     ({"ema_momentum": 1.0}, ValueError, "ema_momentum must be a number in [0, 1) or None. Received: ema_momentum=1.0"),
 ])
 def test_async_ps_validates_its_arguments_before_connecting(monkeypatch, tmp_path, kwargs, error, message):

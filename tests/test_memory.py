@@ -34,7 +34,8 @@ HAND = {
     "single": (cnnpar.Single(), 1, True, KEPT, LARGEST, 16),
     "mirrored": (cnnpar.DataParallel(2), 1, True, KEPT, LARGEST, 8),  # a whole replica on half the batch
     "layers": (cnnpar.LayerPlacement(2), 1 / 2, True, KEPT, LARGEST, 8),  # a stage's share; the batch / devices
-    "async-ps": (cnnpar.AsyncPS(2), 1, False, KEPT, LARGEST, 8),  # the slots live on the parameter server
+    "async-ps": (cnnpar.AsyncPS(2), 1, False, KEPT, LARGEST, 16),  # whole batches; the slots on the server
+    "async-ps, 8 workers": (cnnpar.AsyncPS(8), 1, False, KEPT, LARGEST, 8),  # each batch in 2 slices
     # Every kernel and bias halved. The convolution runs on a split batch: a device holds half of its output and of
     # the pooling's (256/2, 64/2) and keeps its input padded to 10x10 for its half of the batch (100/2); the
     # images and the 10 probabilities are whole.

@@ -79,12 +79,13 @@ def ring_all_reduce(payload_bytes, hosts):
 class HostStep:
     """One step of a strategy across hosts: the seconds it computes and communicates (one after the other:
     Keras computes the whole gradient before it sends any), how many such steps run at once (asynchronous
-    workers), and how many global batches one step trains on (the micro-batches it accumulates)."""
+    workers), and how many global batches one step trains on (the micro-batches it accumulates, or the share of
+    one that a slice is)."""
 
     compute_seconds: float
     communication_seconds: float = 0.0
     parallel_steps: float = 1.0
-    images_factor: int = 1
+    images_factor: float = 1
 
     @property
     def seconds(self):

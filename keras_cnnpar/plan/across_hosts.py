@@ -233,7 +233,8 @@ def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precisio
     predicted = strategies.AsyncPS.host_step(len(hosts), step, link, size, workers_beside_ps=True)
     return [Row(f"async-ps, {len(hosts)} workers + ps", measured, predicted.images_per_second(batch_size),
                 predicted.communication_share,
-                "asynchronous: each update one worker's batch, on weights the other workers move meanwhile; it "
+                "asynchronous: each update one worker's batch (a slice of it from 5 workers on), on weights the "
+                "other workers move meanwhile; it "
                 "does not wait for a slow host (docs/async.md)")]
 
 

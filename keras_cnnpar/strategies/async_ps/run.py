@@ -1,6 +1,6 @@
-"""An ``AsyncPS`` training in its coordinator process: groups of steps scheduled on the workers, each gradient
-divided by its staleness, the weights' moving average, precise BatchNormalization statistics, and the checks
-that a lost parameter server ends the run."""
+"""An ``AsyncPS`` training in its coordinator process: groups of steps scheduled on the workers, each batch in
+slices where the workers are many, each gradient divided by its staleness, the weights' moving average, precise
+BatchNormalization statistics, and the checks that a lost parameter server ends the run."""
 
 import contextlib
 import math
@@ -32,12 +32,14 @@ class AsyncRun(base.Run):
         if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
             self.precise = None
         self.held = _bytes_per_task(model.weights)
+        self.slices = batch_slices(strategy.batch_slices, len(connection.cluster["worker"]))
 
     def report(self):
         strategy = self.strategy
         lines = [f"{strategy.describe()}; learning rate x{strategy.lr_factor():.3g} (scale_lr={strategy.scale_lr})"
-                 + (f"; first {strategy.warmup_steps} updates one group at a time" if strategy.warmup_steps else "")
-                 + (f"; each gradient divided by {_divisor_text(self.model.optimizer)}"
+                 + (f"; first {_warmup_text(strategy.warmup_steps, self.slices)} one group at a time"
+                    if strategy.warmup_steps else "")
+                 + (f"; each gradient divided by {_divisor_text(self.model.optimizer, self.slices)}"
                     if strategy.staleness_aware else "")
                  + (f"; a step staler than {strategy.max_staleness} updates dropped"
                     if strategy.max_staleness is not None else "")
@@ -45,7 +47,7 @@ class AsyncRun(base.Run):
                     if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
-                 many_workers_note(len(self.connection.cluster["worker"])),
+                 slices_note(self.slices),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
                    for task, (count, size) in sorted(self.held.items())),
                  self.resumed_line()]
@@ -56,16 +58,16 @@ class AsyncRun(base.Run):
         """Train ``epochs`` epochs of ``steps_per_epoch`` steps; ``epoch_batches(epoch)`` is that epoch's
         finite dataset of ``steps_per_epoch`` batches, which the workers read, every batch once."""
         strategy, prepared, steps = self.strategy, self.model, steps_per_epoch
-        workers = len(self.connection.cluster["worker"])
+        workers, updates = len(self.connection.cluster["worker"]), steps * self.slices
         async_loop = _AsyncLoop(strategy, self.connection, prepared,
-                                steps_per_group(strategy.steps_per_execution, steps, workers), steps)
+                                steps_per_group(strategy.steps_per_execution, updates, workers), updates, self.slices)
         evaluator = _evaluator(prepared) if validation_data is not None else None
 
         def train_epoch(epoch, callback_list):
             batches = epoch_batches(epoch)
             rebuild.build_compiled_state(prepared, batches.element_spec, strategy.scope())
             callback_list.on_train_batch_begin(0)
-            logs = async_loop.run_epoch(steps, batches)
+            logs = async_loop.run_epoch(batches)
             if self.precise:  # on the coordinator, from this epoch's first batches
                 logs["precise_bn_batches"] = float(self.precise.update(prepared, batches.take(strategy.precise_bn)))
             callback_list.on_train_batch_end(steps - 1, logs)
@@ -103,12 +105,14 @@ class AsyncRun(base.Run):
 
 
 class _AsyncLoop:
-    """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness."""
+    """Schedules an epoch's steps in groups on the workers and gathers their loss, metrics and staleness.
 
-    def __init__(self, strategy, connection, model, steps_per_group, steps):
+    Each of the loop's steps is one update: a batch, or a slice of it where a batch is trained in ``slices``."""
+
+    def __init__(self, strategy, connection, model, steps_per_group, steps, slices=1):
         self.tf_strategy, self.coordinator = connection.tf_strategy, connection.coordinator
         self.workers = {"worker": connection.cluster["worker"]}
-        self.model, self.steps_per_group = model, steps_per_group
+        self.model, self.steps_per_group, self.slices = model, steps_per_group, slices
         self.staleness_aware, self.warmup_steps = strategy.staleness_aware, strategy.warmup_steps
         self.max_staleness = strategy.max_staleness
         with self.tf_strategy.scope():
@@ -122,14 +126,17 @@ class _AsyncLoop:
             self.landed = tf.Variable(tf.zeros([math.ceil(steps / steps_per_group)], tf.int32), trainable=False,
                                       name="landed_per_group")
         self.average = WeightAverage(self.tf_strategy, model, strategy.ema_momentum)
+        self.decay = self.average.momentum ** (1 / slices)  # the average spans as many images in slices
         self._steps = self._traced_steps()  # traced at its first call
 
-    def run_epoch(self, steps, batches):
-        """Run ``steps`` steps on the workers, one for each batch of ``batches`` (one epoch's), in groups."""
+    def run_epoch(self, batches):
+        """Run a step on the workers for each batch of ``batches`` (one epoch's), or for each slice of it, in
+        groups."""
         self.model.reset_metrics()
         self.average.swap_out()
         self.begun.assign(self.applied.read_value())  # nothing in flight: drop the tickets of a lost worker's steps
-        epoch = _IndexedBatches(batches)
+        epoch = _IndexedBatches(batches, self.slices)
+        steps = len(epoch.sizes)
         iterator = iter(self.coordinator.create_per_worker_dataset(epoch.dataset()))
         applied_before, dropped_before = int(self.applied.numpy()), int(self.dropped.numpy())
         iterations = self.model.optimizer.iterations
@@ -137,10 +144,10 @@ class _AsyncLoop:
         groups = [(first, min(self.steps_per_group, steps - first)) for first in range(0, steps, self.steps_per_group)]
         self.landed.assign(tf.zeros_like(self.landed))
         results = []
-        while groups and int(self.applied.numpy()) < self.warmup_steps:  # one group at a time: never stale
+        while groups and int(self.applied.numpy()) < self.warmup_steps * self.slices:  # one group at a time
             results.append(self._schedule(iterator, *groups.pop(0), decay=0.0))  # nothing to average yet
             self.coordinator.join()
-        results += [self._schedule(iterator, *group, decay=self.average.momentum) for group in groups]
+        results += [self._schedule(iterator, *group, decay=self.decay) for group in groups]
         self.coordinator.join()
         self.average.swap_in()
         dropped = int(self.dropped.numpy()) - dropped_before
@@ -170,11 +177,12 @@ class _AsyncLoop:
         worker compiles one step's graph once (not a group-sized graph per size)."""
         model, tf_strategy, average = self.model, self.tf_strategy, self.average
         applied, begun, landed, steps_per_group = self.applied, self.begun, self.landed, self.steps_per_group
-        dropped, bound = self.dropped, self.max_staleness
+        dropped, bound, slices = self.dropped, self.max_staleness, self.slices
         power = staleness_power(model.optimizer) if self.staleness_aware else 0
 
-        def one_step(batch, group):
-            """A step's gradient (divided for its staleness), its staleness, and its loss and batch size."""
+        def one_step(batch, share, group):
+            """A step's gradient (weighted by its ``share`` of the batch and divided for its staleness), its
+            staleness, and its loss and batch size."""
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             seen = applied.read_value()  # updates that had landed: all are in the weights this step reads
             with tf.control_dependencies([seen]), tf.GradientTape() as tape:
@@ -184,8 +192,10 @@ class _AsyncLoop:
             gradients = tape.gradient(scaled_loss, model.trainable_variables)
             with tf.control_dependencies(gradients):  # the others' updates begun before it, landed after it read
                 staleness = begun.assign_add(1) - 1 - seen
-            if power:
-                late = tf.cast(staleness + 1, gradients[0].dtype)
+            if slices > 1:  # the slices of a batch add up to the batch's gradient
+                gradients = [g * tf.cast(share, g.dtype) for g in gradients]
+            if power:  # staleness in batches: the updates in flight make as many batches with slices
+                late = tf.cast(staleness, gradients[0].dtype) / slices + 1
                 divisor = late if power == 1 else late * late
                 gradients = [g / divisor for g in gradients]
             _add_metrics(model, x, y, y_pred, sample_weight)
@@ -212,8 +222,8 @@ class _AsyncLoop:
             start = landed.sparse_read(group)  # a run again after a lost worker skips the steps marked
 
             def step(i, results):
-                batch = _IndexedBatches.batch(epoch, first + i)
-                gradients, staleness, loss_and_size = tf_strategy.run(one_step, args=(batch, group))
+                batch, share = _IndexedBatches.batch(epoch, first + i)
+                gradients, staleness, loss_and_size = tf_strategy.run(one_step, args=(batch, share, group))
                 # Landed before its update begins: a run again after a lost worker starts after it, so a step whose
                 # update may have begun is never applied twice (one that died before its update is lost).
                 with tf.control_dependencies([staleness]):
@@ -374,23 +384,39 @@ ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
                        "Lion", "Lamb", "Muon")
 
 
-#: From this many workers on, the run's report says what the staleness costs (docs/async.md, Many workers).
-MANY_WORKERS = 8
+#: The batches whose images may be in flight at once, by default (docs/async.md, Many workers): each worker's
+#: step takes a whole batch up to this many workers; with more, each batch is trained in slices
+#: (:func:`batch_slices`).
+BATCHES_IN_FLIGHT = 4
 
 
-def many_workers_note(workers):
-    """The run report's line for ``workers`` workers: from :data:`MANY_WORKERS` on, what the staleness costs.
+def batch_slices(slices, workers):
+    """The slices each batch is trained in with ``workers`` workers: ``slices`` where given, else one per
+    :data:`BATCHES_IN_FLIGHT` workers, so that more workers put no more images in flight.
 
-    >>> many_workers_note(4)
-    ''
-    >>> print(many_workers_note(16))  # doctest: +NORMALIZE_WHITESPACE
-    16 workers: each update is staler than with 4; on the CNNs measured, 8 or more workers ended below Single's
-    accuracy in the same epochs, some collapsed (docs/async.md, Many workers)
+    A step's gradient is computed on weights that the updates in flight move
+    before it lands. With 16 workers on whole batches that was about 12 batches'
+    updates, and the 3+3 CNN collapsed in two seeds of five; with each batch in
+    4 slices it is 3 batches' worth, as with 4 workers on whole batches.
+
+    >>> [batch_slices(None, workers) for workers in (1, 2, 4, 5, 8, 16)], batch_slices(3, 2)
+    ([1, 1, 1, 2, 2, 4], 3)
     """
-    if workers < MANY_WORKERS:
+    return slices or math.ceil(workers / BATCHES_IN_FLIGHT)
+
+
+def slices_note(slices):
+    """The run report's line on the slices each batch is trained in, or ``""`` for whole batches.
+
+    >>> slices_note(1)
+    ''
+    >>> slices_note(4)
+    'each batch trained in 4 slices, each a step and an update weighted by its share of the batch (batch_slices=4)'
+    """
+    if slices == 1:
         return ""
-    return (f"{workers} workers: each update is staler than with 4; on the CNNs measured, {MANY_WORKERS} or more "
-            f"workers ended below Single's accuracy in the same epochs, some collapsed (docs/async.md, Many workers)")
+    return (f"each batch trained in {slices} slices, each a step and an update weighted by its share of the batch "
+            f"(batch_slices={slices})")
 
 
 def steps_per_group(steps_per_execution, steps, workers):
@@ -460,9 +486,23 @@ def _reading_the_kernel_first(convolution_op):
     return convolution_op_of_a_read_kernel
 
 
-def _divisor_text(optimizer):
-    """The run report's words for the divisor of a late gradient under ``optimizer``."""
-    return "(1 + its staleness)" + ("^2" if staleness_power(optimizer) == 2 else "")
+def _warmup_text(warmup_steps, slices):
+    """The run report's words for the warm-up's updates.
+
+    >>> _warmup_text(64, 1), _warmup_text(64, 4)
+    ('64 updates', '64 batches (256 updates)')
+    """
+    return f"{warmup_steps} updates" if slices == 1 else f"{warmup_steps} batches ({warmup_steps * slices} updates)"
+
+
+def _divisor_text(optimizer, slices=1):
+    """The run report's words for the divisor of a late gradient under ``optimizer``, a batch in ``slices``.
+
+    >>> _divisor_text(keras.optimizers.SGD(), 1), _divisor_text(keras.optimizers.Adam(), 4)
+    ('(1 + its staleness)^2', '(1 + its staleness / 4)')
+    """
+    staleness = "its staleness" if slices == 1 else f"its staleness / {slices}"
+    return f"(1 + {staleness})" + ("^2" if staleness_power(optimizer) == 2 else "")
 
 
 def _bytes_per_task(variables):
@@ -477,36 +517,53 @@ def _bytes_per_task(variables):
 
 class _IndexedBatches:
     """One epoch's batches in memory, addressable by their index: every part's examples concatenated, with each
-    batch's start and size.
+    step's start and size and its share of its batch: a batch per step, or ``slices`` steps per batch.
 
     A worker's dataset holds the epoch as one element of constants (its
     graph carries them, so workers on other hosts, which cannot read this
     host's files, have them too); a scheduled group reads that element once
-    and slices its batches out of it.
+    and slices its steps' examples out of it.
 
-    >>> batches = tf.data.Dataset.range(5).batch(2).map(lambda x: (x, -x))
-    >>> epoch = next(iter(_IndexedBatches(batches).dataset()))
-    >>> [[part.numpy().tolist() for part in _IndexedBatches.batch(epoch, i)] for i in range(3)]
-    [[[0, 1], [0, -1]], [[2, 3], [-2, -3]], [[4], [-4]]]
+    >>> batches = tf.data.Dataset.range(5).batch(3).map(lambda x: (x, -x))
+    >>> def steps(slices):
+    ...     epoch = next(iter(_IndexedBatches(batches, slices).dataset()))
+    ...     return [_IndexedBatches.batch(epoch, i) for i in range(len(_IndexedBatches(batches, slices).sizes))]
+    >>> [([part.numpy().tolist() for part in step], float(share)) for step, share in steps(1)]
+    [([[0, 1, 2], [0, -1, -2]], 1.0), ([[3, 4], [-3, -4]], 1.0)]
+    >>> [(step[0].numpy().tolist(), round(float(share), 3)) for step, share in steps(2)]
+    [([0, 1], 0.667), ([2], 0.333), ([3], 0.5), ([4], 0.5)]
     """
 
-    def __init__(self, batches):
+    def __init__(self, batches, slices=1):
         batches = list(batches.as_numpy_iterator())
         self.whole = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
-        self.sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in batches], np.int64)
+        sizes = [_slice_sizes(len(tf.nest.flatten(batch)[0]), slices) for batch in batches]
+        self.sizes = np.array([size for batch in sizes for size in batch], np.int64)
+        self.shares = np.array([size / sum(batch) for batch in sizes for size in batch], np.float32)
 
     def dataset(self):
-        """The epoch, repeated as one element: ``(whole, starts, sizes)``."""
+        """The epoch, repeated as one element: ``(whole, starts, sizes, shares)``."""
         starts = np.cumsum(self.sizes) - self.sizes
-        return data.untuned(tf.data.Dataset.from_tensors((self.whole, starts, self.sizes)).repeat())
+        return data.untuned(tf.data.Dataset.from_tensors((self.whole, starts, self.sizes, self.shares)).repeat())
 
     @staticmethod
     def batch(epoch, index):
-        """Batch ``index`` of ``epoch`` (an element of :meth:`dataset`), counted round the epoch."""
-        whole, starts, sizes = epoch
+        """Step ``index``'s examples of ``epoch`` (an element of :meth:`dataset`), counted round the epoch, and
+        their share of their batch."""
+        whole, starts, sizes, shares = epoch
         index = tf.cast(index, tf.int64) % tf.size(sizes, out_type=tf.int64)
         start, size = starts[index], sizes[index]
-        return tf.nest.map_structure(lambda part: part[start:start + size], whole)
+        return tf.nest.map_structure(lambda part: part[start:start + size], whole), shares[index]
+
+
+def _slice_sizes(size, slices):
+    """The sizes of the slices a batch of ``size`` examples is trained in: as equal as can be, none empty.
+
+    >>> _slice_sizes(64, 4), _slice_sizes(62, 4), _slice_sizes(3, 4)
+    ([16, 16, 16, 16], [16, 16, 15, 15], [1, 1, 1])
+    """
+    parts = min(slices, size)
+    return [size // parts + (i < size % parts) for i in range(parts)]
 
 
 def _evaluator(prepared):

@@ -9,7 +9,7 @@ import tensorflow as tf
 from keras_cnnpar.cluster import network, traffic
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
-from keras_cnnpar.strategies import arguments, base
+from keras_cnnpar.strategies import arguments, base, memory
 from keras_cnnpar.strategies.async_ps import connection, run
 from keras_cnnpar.strategies.base import CheckpointedStrategy, register
 
@@ -24,9 +24,10 @@ class AsyncPS(CheckpointedStrategy):
     "ShardedVariable doesn't support being used as a reference"). This process is the coordinator: it schedules groups
     of ``steps_per_execution`` training steps with ``ClusterCoordinator``, and
     whichever worker is free runs the next group (the epoch's next batches)
-    and applies its gradients at once. Each step uses the whole ``batch_size``
-    on one worker; an epoch is the usual number of steps, spread over the
-    workers. Each scheduled group names its batches (the epoch's next
+    and applies its gradients at once. With up to 4 workers each step uses the
+    whole ``batch_size`` on one worker; an epoch is the usual number of steps,
+    spread over the workers. With more, each batch is trained in slices
+    (``batch_slices``), each a step of its own. Each scheduled group names its batches (the epoch's next
     ``steps_per_execution``, fewer where that would leave a worker idle, in
     order), so an epoch trains on every batch once, as under ``Single``,
     whichever worker runs which group, and a group that
@@ -54,14 +55,28 @@ class AsyncPS(CheckpointedStrategy):
     carry the noise of the late steps (up to 3.4 points of validation
     accuracy behind Single's after 3 epochs, 0.9-1.9 with the average in
     most runs). The learning
-    rate is kept (``scale_lr=None``): each update uses a whole batch, so there
-    is no larger batch to scale for. docs/async.md has the measured
+    rate is kept (``scale_lr=None``): each update uses a whole batch, or a slice
+    of one weighted by its share, so there is no larger batch to scale for.
+
+    **Many workers.** Each step's gradient lands after the updates in flight
+    beside it, about one per other worker. With more than 4 workers each batch
+    is therefore trained in ``ceil(workers / 4)`` slices (``batch_slices``):
+    each slice is a step and an update of its own, its gradient weighted by
+    its share of the batch, so the slices of a batch add up to its gradient and
+    the images in flight stay about 4 batches' worth however many workers
+    there are. The staleness that divides a gradient is then counted in
+    batches (the updates in flight divided by the slices), the warm-up's
+    ``warmup_steps`` are batches, and the weights' average moves by
+    ``ema_momentum ** (1 / slices)`` per update. A slice costs its worker a
+    whole step's reads of the variables and writes of the gradients, so the
+    bytes a worker sends per image grow with the slices. docs/async.md has the measured
     effect on the three model kinds, seed by seed
     (``benchmarks/async_robustness.py``). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
     other updates a step's gradient may have missed: those begun before it was
     ready to apply that had not landed when it read the weights), and
-    ``steps_applied`` (counted on the parameter servers), ``steps_dropped``
+    ``steps_applied`` (counted on the parameter servers; updates: slices where a
+    batch is sliced), ``steps_dropped``
     (staler than ``max_staleness``; the staleness columns count the applied
     steps), ``lost_workers``
     (workers that no longer answer at the epoch's end; their unfinished steps
@@ -128,12 +143,18 @@ class AsyncPS(CheckpointedStrategy):
             drops a step staler than it: its gradient is not applied, and the
             epoch's ``steps_dropped`` counts it (a hard bound on the staleness
             of what moves the weights; the dropped steps' work is lost).
-        warmup_steps: updates at the start of a run scheduled one group of
-            ``steps_per_execution`` at a time, so none is stale (default 64; 0: off).
+        warmup_steps: batches at the start of a run whose updates are scheduled
+            one group of ``steps_per_execution`` at a time, so none is stale
+            (default 64; 0: off).
         ema_momentum: the momentum of the moving average of the weights that
             validation, each epoch's weights and the trained model are (default
             0.95, as Keras's optimizer option of that name); None: the last
             update's weights. An optimizer with ``use_ema=True`` keeps its own.
+        batch_slices: the steps each batch is trained in, each on a slice of it
+            (default None: ``ceil(workers / 4)``, :func:`.run.batch_slices`; 1
+            trains whole batches with any number of workers). A learning-rate
+            schedule and ``max_staleness`` count updates, ``batch_slices`` per
+            batch.
         steps_per_execution: training steps per scheduled function (default 8);
             fewer where an epoch has fewer than that per worker, so that every
             worker has a group (:func:`.run.steps_per_group`).
@@ -158,10 +179,11 @@ class AsyncPS(CheckpointedStrategy):
     @classmethod
     def host_step(cls, hosts, compute_seconds, link, gradient_bytes, ps=1, workers_beside_ps=False):
         """``hosts - ps`` workers, each on a host of its own, that move in step: they all read every variable at
-        once, sharing the parameter servers' links (each carries ``1 / ps`` of the variables), compute the whole
-        batch's step, and all write their gradients at once. None without a host for a worker.
-        ``workers_beside_ps``: a worker on every host, the parameter servers' hosts included, whose bytes to
-        their own host's server stay off the link (``cnnpar plan`` on a cluster).
+        once, sharing the parameter servers' links (each carries ``1 / ps`` of the variables), compute the
+        step's share of the batch (a slice of it, :func:`.run.batch_slices`, where the workers are many), and all
+        write their gradients at once. None without a host for a worker. ``workers_beside_ps``: a worker on
+        every host, the parameter servers' hosts included, whose bytes to their own host's server stay off the
+        link (``cnnpar plan`` on a cluster).
 
         Measured across namespace hosts (docs/hosts.md): the parameter server's link carried its bytes at under
         half its rate, so the workers' reads and writes do not interleave; a step waits for every worker's
@@ -172,17 +194,22 @@ class AsyncPS(CheckpointedStrategy):
         (0.416, 2, 262)
         >>> AsyncPS.host_step(3, 0.072, traffic.Link.parse("1gbit"), 13_000_000, workers_beside_ps=True).parallel_steps
         3
+        >>> sliced = AsyncPS.host_step(9, 0.072, traffic.Link.parse("1gbit"), 13_000_000)  # 8 workers: 2 slices
+        >>> sliced.compute_seconds, sliced.images_factor
+        (0.036, 0.5)
         """
         crossing = hosts - ps  # the workers whose bytes cross the parameter servers' links
         workers = hosts if workers_beside_ps else crossing
         if workers < 1 or crossing < 0:
             return None
+        slices = run.batch_slices(None, workers)
         communication = link.seconds(2 * crossing * gradient_bytes / ps, rounds=2)
-        return traffic.HostStep(compute_seconds, communication, parallel_steps=workers)
+        return traffic.HostStep(compute_seconds / slices, communication, parallel_steps=workers,
+                                images_factor=1 / slices)
 
     def __init__(self, workers=2, ps=1, cluster=None, *, coordinator=None, scale_lr=None, staleness_aware=True,
-                 max_staleness=None, warmup_steps=64, ema_momentum=0.95, steps_per_execution=8, timeout=30,
-                 checkpoint_dir="checkpoints", resume=False, precise_bn=16):
+                 max_staleness=None, warmup_steps=64, ema_momentum=0.95, batch_slices=None, steps_per_execution=8,
+                 timeout=30, checkpoint_dir="checkpoints", resume=False, precise_bn=16):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          steps_per_execution=steps_per_execution)
         arguments.positive_int("workers", workers)
@@ -199,6 +226,7 @@ class AsyncPS(CheckpointedStrategy):
         self.warmup_steps = arguments.non_negative_int("warmup_steps", warmup_steps)
         self.ema_momentum = arguments.momentum_or_none("ema_momentum", ema_momentum)
         self.precise_bn = arguments.non_negative_int("precise_bn", precise_bn)
+        self.batch_slices = None if batch_slices is None else arguments.positive_int("batch_slices", batch_slices)
         if coordinator is not None:
             cluster_lib.check_coordinator(coordinator)
         self.coordinator_address = coordinator
@@ -229,8 +257,9 @@ class AsyncPS(CheckpointedStrategy):
         return 1
 
     def memory_split(self, model, batch_size):
-        """A worker holds the weights and their gradients; the optimizer's slots live on the parameter servers."""
-        return dataclasses.replace(super().memory_split(model, batch_size), slots_here=False)
+        """A worker holds the weights and their gradients and a step's slice of a batch; the optimizer's slots
+        live on the parameter servers."""
+        return dataclasses.replace(memory.replicated(model, batch_size / self.slices), slots_here=False)
 
     def epoch_events(self, row):
         """A lost worker, from the epoch's ``lost_workers`` column.
@@ -241,8 +270,22 @@ class AsyncPS(CheckpointedStrategy):
         lost = int(row.get("lost_workers") or 0)
         return [f"{lost} worker(s) lost; their steps ran again on the others"] if lost else []
 
+    @property
+    def slices(self):
+        """The slices each batch is trained in with this strategy's workers (:func:`.run.batch_slices`)."""
+        return run.batch_slices(self.batch_slices, self.workers)
+
     def batch_division(self, global_batch):
-        return f"each of the {self.workers} workers still takes whole global batches of {global_batch}"
+        """How a batch is divided, for the line of a resume on another worker count.
+
+        >>> AsyncPS(workers=2).batch_division(64), AsyncPS(workers=8).batch_division(64)
+        ('each of the 2 workers still takes whole global batches of 64', 'each of the 8 workers takes a slice of \
+each global batch of 64: 2 slices a batch')
+        """
+        if self.slices == 1:
+            return f"each of the {self.workers} workers still takes whole global batches of {global_batch}"
+        return (f"each of the {self.workers} workers takes a slice of each global batch of {global_batch}: "
+                f"{self.slices} slices a batch")
 
     def __repr__(self):
         where = "local" if self.spec is None else "external"
