@@ -24,10 +24,10 @@ class AsyncPS(CheckpointedStrategy):
     "ShardedVariable doesn't support being used as a reference"). This process is the coordinator: it schedules groups
     of ``steps_per_execution`` training steps with ``ClusterCoordinator``, and
     whichever worker is free runs the next group (the epoch's next batches)
-    and applies its gradients at once. With up to 4 workers each step uses the
-    whole ``batch_size`` on one worker; an epoch is the usual number of steps,
-    spread over the workers. With more, each batch is trained in slices
-    (``batch_slices``), each a step of its own. Each scheduled group names its batches (the epoch's next
+    and applies its gradients at once. Each step uses the whole ``batch_size``
+    on one worker (a slice of it with more than 4 workers, below); an epoch is
+    the usual number of steps, spread over the workers. Each scheduled group
+    names its batches (the epoch's next
     ``steps_per_execution``, fewer where that would leave a worker idle, in
     order), so an epoch trains on every batch once, as under ``Single``,
     whichever worker runs which group, and a group that
@@ -64,12 +64,10 @@ class AsyncPS(CheckpointedStrategy):
     each slice is a step and an update of its own, its gradient weighted by
     its share of the batch, so the slices of a batch add up to its gradient and
     the images in flight stay about 4 batches' worth however many workers
-    there are. The staleness that divides a gradient is then counted in
-    batches (the updates in flight divided by the slices), the warm-up's
-    ``warmup_steps`` are batches, and the weights' average moves by
-    ``ema_momentum ** (1 / slices)`` per update. A slice costs its worker a
-    whole step's reads of the variables and writes of the gradients, so the
-    bytes a worker sends per image grow with the slices. docs/async.md has the measured
+    there are; the staleness that divides a gradient is counted in batches (the
+    updates in flight divided by the slices). A slice costs its worker a whole
+    step's reads and writes, so a worker sends ``slices`` times the bytes per
+    image. docs/async.md has the measured
     effect on the three model kinds, seed by seed
     (``benchmarks/async_robustness.py``). Each epoch
     row in the CSV records ``staleness_mean`` and ``staleness_max`` (how many
