@@ -234,8 +234,7 @@ def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precisio
     return [Row(f"async-ps, {len(hosts)} workers + ps", measured, predicted.images_per_second(batch_size),
                 predicted.communication_share,
                 "asynchronous: each update one worker's batch (a slice of it from 5 workers on), on weights the "
-                "other workers move meanwhile; it "
-                "does not wait for a slow host (docs/async.md)")]
+                "other workers move meanwhile; it does not wait for a slow host (docs/async.md)")]
 
 
 def _synced_name(hosts):
