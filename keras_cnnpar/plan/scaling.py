@@ -6,7 +6,7 @@ or given where the hosts differ from it; the model's gradient bytes are counted;
 each strategy that trains across hosts predicts its step on 1 to N hosts
 joined by the link (``Strategy.host_step``): MultiWorker computes its share of
 the batch and then all-reduces the whole gradient in a ring, AsyncPS's
-workers all read the weights, then all write a gradient, through the
+workers all read the weights, then all write a gradient (a slice's, with more than 4 workers), through the
 parameter server's link. Runs measured over the same link (``--measured``,
 :class:`Measured`) calibrate their configuration with the time TensorFlow's
 transport adds to a step. The table gives the predicted images/s, the scaling
@@ -30,7 +30,7 @@ hosts | multi-worker efficiency  comm | accumulate images/s  comm | async-ps eff
 adding hosts does not pay: one host is fastest (889 images/s); accumulating K=35 batches per all-reduce (an update \
 of 2240 images) brings communication to 20% of the step on 4 hosts: 2846 images/s
 these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured \
-0.35-0.98x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
+0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
 calibrates them
 """
 
@@ -49,7 +49,7 @@ from keras_cnnpar.plan import figures
 COMMUNICATION_TARGET = 0.2
 #: What the table's figures are without a measured run, printed under it (docs/hosts.md has the measurements).
 UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
-               "(measured 0.35-0.98x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
+               "(measured 0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
                "from a run over this link, calibrates them")
 #: What the table's figures are with measured runs (docs/hosts.md: how the calibration was checked).
 CALIBRATED = ("calibrated with the measured runs: TensorFlow's transport adds {added} a step beyond the link's "
