@@ -32,7 +32,7 @@ class AsyncRun(base.Run):
         if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
             self.precise = None
         self.held = _bytes_per_task(model.weights)
-        self.slices = batch_slices(strategy.batch_slices, len(connection.cluster["worker"]))
+        self.slices = strategy.slices
 
     def report(self):
         strategy = self.strategy
@@ -526,8 +526,9 @@ class _IndexedBatches:
 
     >>> batches = tf.data.Dataset.range(5).batch(3).map(lambda x: (x, -x))
     >>> def steps(slices):
-    ...     epoch = next(iter(_IndexedBatches(batches, slices).dataset()))
-    ...     return [_IndexedBatches.batch(epoch, i) for i in range(len(_IndexedBatches(batches, slices).sizes))]
+    ...     indexed = _IndexedBatches(batches, slices)
+    ...     epoch = next(iter(indexed.dataset()))
+    ...     return [_IndexedBatches.batch(epoch, i) for i in range(len(indexed.sizes))]
     >>> [([part.numpy().tolist() for part in step], float(share)) for step, share in steps(1)]
     [([[0, 1, 2], [0, -1, -2]], 1.0), ([[3, 4], [-3, -4]], 1.0)]
     >>> [(step[0].numpy().tolist(), round(float(share), 3)) for step, share in steps(2)]
