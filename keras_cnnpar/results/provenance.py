@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).parents[1]
 
 @functools.cache
 def version():
-    """``"0.1.0"``, with ``+g<commit>`` when the package runs from a git checkout (``.dirty`` with changes).
+    r"""``"0.1.0"``, with ``+g<commit>`` when the package runs from a git checkout (``.dirty`` with changes).
 
     >>> import re, shutil, keras_cnnpar
     >>> root = Path(keras_cnnpar.__file__).parents[1]
