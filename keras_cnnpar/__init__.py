@@ -39,7 +39,7 @@ _EXPORTS = {
     "fit": "keras_cnnpar.api",
     "parallel": "keras_cnnpar.api",
     "Strategy": "keras_cnnpar.strategies",
-    **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries()},
+    **{entry.class_name: "keras_cnnpar.strategies" for entry in registry.entries(plugins=False)},
 }
 #: Public submodules and where they live (``cnnpar.models`` is ``keras_cnnpar.zoo.models``).
 _SUBMODULES = {

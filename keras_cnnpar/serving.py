@@ -81,6 +81,7 @@ def export(model, base_dir, version=None, *, force=False, verify=True):
         verify: check the export in a fresh process against ``model``'s predictions.
     """
     _check_input_shape(model)
+    _check_finite(model)
     base_dir = Path(base_dir)
     version = _next_version(base_dir) if version is None else _check_version(version)
     target = base_dir / str(version)
@@ -105,6 +106,30 @@ def _check_input_shape(model):
     if tuple(model.input_shape[1:]) != (data_lib.IMAGE_SIDE, data_lib.IMAGE_SIDE, 1):
         raise ValueError(f"the serving signature takes {data_lib.PIXELS} pixels of a 28x28 grayscale image; the "
                          f"model must take [N, 28, 28, 1]. Received: input_shape={model.input_shape}")
+
+
+def non_finite_weight(model):
+    """``(path, count)`` of ``model``'s first weight holding NaN or infinity, or None where all are finite.
+
+    >>> import keras
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="head")], name="digits")
+    >>> _ = model.layers[0].bias.assign([float("nan")])
+    >>> non_finite_weight(model)
+    ('digits/head/bias', 1)
+    """
+    for weight in model.weights:
+        values = np.asarray(weight.numpy())
+        count = int(values.size - np.count_nonzero(np.isfinite(values)))
+        if count:
+            return weight.path, count
+    return None
+
+
+def _check_finite(model):
+    if found := non_finite_weight(model):
+        path, count = found
+        raise ValueError(f"the model's weight {path} holds {count} non-finite values (NaN or infinity): a run that "
+                         f"diverged, or a damaged file; nothing was exported. Received: {path}")
 
 
 def _check_version(version):
@@ -257,7 +282,7 @@ def load_weights(path, kind=None):
                          f"the weights by that suffix (any other .h5 as a Keras 2 model); rename it. "
                          f"Received: weights={path}")
     try:
-        return _with_weights(kind, path)
+        model = _with_weights(kind, path)
     except OSError as error:  # h5py's, in one line: "file signature not found", "truncated file: eof = ..."
         raise ValueError(f"{path}: expected an HDF5 file of weights, as `cnnpar train` writes them, which h5py cannot "
                          f"read. Received: {type(error).__name__}: {' '.join(str(error).split())}") from None
@@ -267,6 +292,10 @@ def load_weights(path, kind=None):
                          + (f"they are the {fits[0]} model's: give --model {fits[0]}" if fits else
                             f"they fit none of the models ({', '.join(MODEL_NAMES)})")
                          + f". Received: model={kind}") from None
+    if found := non_finite_weight(model):
+        raise ValueError(f"{path}: the weight {found[0]} holds {found[1]} non-finite values (NaN or infinity): a "
+                         f"damaged file, or a run that diverged. Received: weights={path}")
+    return model
 
 
 def _with_weights(kind, path):
@@ -299,9 +328,14 @@ def predict_csv(model_dir, test_csv, out, *, batch_size=512):
     """
     pixels, _ = data_lib.read_kaggle_csv(test_csv, labeled=False)
     signature = load_signature(model_dir)
-    classes = np.concatenate([
-        signature(**{INPUT: tf.constant(pixels[i:i + batch_size], tf.float32)})["class"].numpy()
-        for i in range(0, len(pixels), batch_size)])
+    outputs = [signature(**{INPUT: tf.constant(pixels[i:i + batch_size], tf.float32)})
+               for i in range(0, len(pixels), batch_size)]
+    probabilities = np.concatenate([output["probabilities"].numpy() for output in outputs])
+    if (bad := np.flatnonzero(~np.isfinite(probabilities).all(axis=1))).size:
+        raise NotAnExport(f"{model_dir}: its probabilities are not finite (NaN or infinity) for {bad.size} of the "
+                          f"{len(pixels)} rows of {test_csv}, the first at line {bad[0] + 2} (ImageId {bad[0] + 1}): "
+                          f"its weights are damaged; nothing was written. Received: {probabilities[bad[0]].tolist()}")
+    classes = np.concatenate([output["class"].numpy() for output in outputs])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = np.column_stack([np.arange(1, len(classes) + 1), classes])

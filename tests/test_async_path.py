@@ -198,6 +198,17 @@ def test_every_batch_trains_once_and_counts_once_whichever_worker_runs_it(steps_
     assert iterations == {"single": 32, "async": 32 * batch_slices}
 
 
+def test_a_batch_is_never_cut_in_more_slices_than_it_has_examples_and_the_report_says_so(capsys):
+    """batch_slices=3 on global batches of 2: 2 slices of one example each, the updates the optimizer counts."""
+    digits = cnnpar.data.load()
+    model = build_small_cnn(seed=0, learning_rate=0.0)
+    model.fit(digits.x[::250], digits.y[::250], batch_size=2, epochs=1, verbose=1, results_dir=None,
+              strategy=cnnpar.AsyncPS(workers=2, batch_slices=3, warmup_steps=0, checkpoint_dir=None))
+    assert int(model.optimizer.iterations.numpy()) == 10 * 2  # 20 digits: 10 batches of 2 slices
+    assert "each batch trained in 2 slices, each a step and an update weighted by its share of the batch " \
+           "(batch_slices=2; 3 called for, more than a global batch of 2 examples holds)" in capsys.readouterr().out
+
+
 def test_the_slices_of_a_batch_move_the_weights_as_the_whole_batch_does():
     """One worker (so nothing is stale), plain SGD: each batch trained in 4 slices, each slice's gradient weighted
     by its share, moves the weights as Keras's steps on whole batches do, up to the second-order term of the

@@ -1,4 +1,5 @@
 import csv
+import re
 import subprocess
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 
 import keras_cnnpar as cnnpar
 from keras_cnnpar import serving
-from tests.helpers import kaggle_head
+from tests.helpers import kaggle_head, one_line_refusal
 from tests.helpers import run_cli as run
 
 pytestmark = pytest.mark.slow  # exports verified in fresh TensorFlow processes: `pytest -m "not slow"` leaves them out
@@ -190,3 +191,61 @@ def test_the_signature_gives_float32_probabilities_and_int64_classes_in_plain_te
     served = serving.load_in_fresh_process(target, serving.sample_pixels()[:3])
     assert (served["probabilities"].dtype, served["probabilities"].shape) == (np.float32, (3, 10))
     assert (served["class"].dtype, served["class"].shape) == (np.int64, (3,))
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_predict_refuses_an_output_that_is_its_test_file_and_keeps_it(tmp_path, link):
+    test_csv = tmp_path / "test.csv"
+    test_csv.write_text(",".join(f"pixel{i}" for i in range(784)) + "\n" + ",".join(["0"] * 784) + "\n")
+    before = test_csv.read_text()
+    out = tmp_path / "out.csv"
+    if link:
+        out.symlink_to(test_csv)
+    result = run("predict", "--model-dir", tmp_path, "--test", test_csv, "--out", out if link else test_csv, "--force")
+    assert one_line_refusal(result) == f"Error: --out is the file that --test reads; choose another path: nothing " \
+        f"was written. Received: --out {out if link else test_csv}, --test {test_csv}"
+    assert test_csv.read_text() == before
+
+
+@pytest.fixture
+def diverged():
+    """The 3+3 CNN whose last Dense kernel holds 100 NaNs, and that kernel's path."""
+    model = cnnpar.models.cnn("3+3")
+    kernel = model.layers[-1].kernel
+    values = kernel.numpy()
+    values.flat[:100] = np.nan
+    kernel.assign(values)
+    return model, kernel.path
+
+
+def test_export_refuses_weights_that_are_not_finite_and_writes_nothing(diverged, tmp_path):
+    model, path = diverged
+    weights = serving.save_weights(model, tmp_path / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev"
+                                                      ".weights.h5")
+    result = run("export", "--weights", weights, "--out", tmp_path / "models")
+    expected = (f"Error: {weights}: the weight cnn2d_3layer_fullconnected_3layer/dense_N/kernel holds 100 "
+                f"non-finite values (NaN or infinity): a damaged file, or a run that diverged. Received: "
+                f"weights={weights}")
+    assert re.sub(r"dense_\d+", "dense_N", one_line_refusal(result)) == expected  # as the rebuilt model numbers it
+    with pytest.raises(ValueError, match=f"^the model's weight {path} holds 100 non-finite values"):
+        serving.export(model, tmp_path / "models")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [weights.name]
+
+
+def test_predict_refuses_probabilities_that_are_not_finite_and_writes_nothing(diverged, tmp_path, monkeypatch):
+    model, _ = diverged
+    monkeypatch.setattr(serving, "_check_finite", lambda model: None)  # an export whose variables were damaged since
+    target = serving.export(model, tmp_path / "models", verify=False)
+    test_csv = kaggle_head_of_zeros(tmp_path / "test.csv", rows=3)
+    result = run("predict", "--model-dir", target, "--test", test_csv, "--out", tmp_path / "submission.csv")
+    line = one_line_refusal(result)
+    assert line.startswith(f"Error: {target}: its probabilities are not finite (NaN or infinity) for 3 of the 3 rows "
+                           f"of {test_csv}, the first at line 2 (ImageId 1): its weights are damaged; nothing was "
+                           f"written. Received: [nan"), line
+    assert not (tmp_path / "submission.csv").exists()
+
+
+def kaggle_head_of_zeros(path, rows):
+    """An unlabeled Kaggle test CSV of ``rows`` blank images."""
+    path.write_text(",".join(f"pixel{i}" for i in range(784)) + "\n" + (",".join(["0"] * 784) + "\n") * rows)
+    return path

@@ -1,5 +1,8 @@
 """A strategy defined outside the package registers at run time and then works like the package's own."""
 
+import subprocess
+import sys
+
 import keras
 import pytest
 
@@ -62,3 +65,62 @@ def test_a_user_strategy_cannot_take_a_name_of_the_package(monkeypatch):
         class Mine(strategies.Strategy):
             """Clashes with DataParallel."""
     assert "mirrored" not in registry._ADDED
+
+
+#: Plugins of an installed distribution (``plugins`` fixture): entry point name -> module source (None: missing).
+PLUGINS = {
+    "raises": "raise RuntimeError('this plugin is broken')",
+    "absent": None,
+    "clash": "from keras_cnnpar import strategies\n\n"
+             "@strategies.register('mirrored')\nclass Clash(strategies.Strategy):\n    pass\n",
+    "fine": "import os, pathlib\npathlib.Path(os.environ['PLUGIN_MARK']).touch()\n"
+            "from keras_cnnpar import strategies\n\n"
+            "@strategies.register('plugin-single')\nclass PluginSingle(strategies.Strategy):\n"
+            "    description = \"a plugin's strategy: one device\"\n    max_devices = 1\n    device_option = None\n",
+}
+
+
+@pytest.fixture
+def plugins(tmp_path):
+    """The environment of a process that sees a distribution offering ``PLUGINS`` in the entry-point group, and the
+    file the fine plugin creates when it is imported."""
+    site = tmp_path / "site"
+    (site / "user_plugins-1.0.dist-info").mkdir(parents=True)
+    (site / "user_plugins-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: user-plugins\n"
+                                                                 "Version: 1.0\n")
+    points = [f"{name} = {name}_plugin" for name in PLUGINS]
+    (site / "user_plugins-1.0.dist-info" / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINTS}]\n" + "\n".join(points) + "\n")
+    for name, source in PLUGINS.items():
+        if source is not None:
+            (site / f"{name}_plugin.py").write_text(source)
+    mark = tmp_path / "fine-plugin-imported"
+    return {**helpers.ENV, "PYTHONPATH": str(site), "PLUGIN_MARK": str(mark)}, mark
+
+
+@pytest.mark.slow  # fresh processes; the fine plugin imports TensorFlow
+def test_a_broken_or_clashing_plugin_is_one_warning_line_and_left_out(plugins, tmp_path):
+    env, mark = plugins
+    done = subprocess.run(helpers.cnnpar_command("train", "--help"), env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "plugin-single" in done.stdout and mark.exists(), done.stderr[-2000:]
+    warned = [line for line in done.stderr.splitlines() if line.startswith("Warning:")]
+    assert warned == [
+        "Warning: the strategy plugin raises = raises_plugin is left out: RuntimeError: this plugin is broken",
+        "Warning: the strategy plugin absent = absent_plugin is left out: ModuleNotFoundError: No module named "
+        "'absent_plugin'",
+        "Warning: the strategy plugin clash = clash_plugin is left out: ValueError: the strategy name 'mirrored' is "
+        "taken by DataParallel; choose another. Received: Clash registered as 'mirrored'",
+    ], done.stderr[-2000:]
+
+
+@pytest.mark.slow  # fresh processes
+@pytest.mark.parametrize("command", [["--help"], ["--version"], ["data", "--help"]])
+def test_help_version_and_import_load_no_plugin(plugins, tmp_path, command):
+    env, mark = plugins
+    done = subprocess.run(helpers.cnnpar_command(*command), env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    imported = subprocess.run([sys.executable, "-c", "import keras_cnnpar, sys; print('tensorflow' in sys.modules)"],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == "" and imported.stdout == "False\n" and imported.stderr == ""
+    assert not mark.exists()

@@ -84,6 +84,16 @@ def refuse_to_overwrite(paths, force):
                                  f"Received: {existing[0]}", param_hint="--out")
 
 
+def refuse_an_input_as_output(out, source, option):
+    """Refuse (one line, exit 2) where the output file ``out`` is the input file ``source`` that ``option`` names,
+    by its path, a link or a hard link: writing it would destroy what the command reads."""
+    same = os.path.realpath(out) == os.path.realpath(source) or (
+        os.path.exists(out) and os.path.exists(source) and os.path.samefile(out, source))
+    if same:
+        raise Refused(f"--out is the file that {option} reads; choose another path: nothing was written. "
+                      f"Received: --out {out}, {option} {source}")
+
+
 def check_worker_count(workers):
     """In a worker that its environment describes (TF_CONFIG, a Slurm job step, ...), --workers must agree with it."""
     environment = environments.resolve()

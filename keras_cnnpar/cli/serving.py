@@ -11,6 +11,7 @@ from keras_cnnpar.cli.common import (
     check_writable,
     not_written,
     quiet_tensorflow,
+    refuse_an_input_as_output,
     refuse_to_overwrite,
 )
 
@@ -56,6 +57,7 @@ def predict(model_dir, test_csv, out, force):
     Bad input exits with code 2 and writes nothing.
     """
     check_writable(os.path.dirname(os.path.abspath(out)), "--out", out)
+    refuse_an_input_as_output(out, test_csv, "--test")
     quiet_tensorflow()
     from keras_cnnpar import serving
     from keras_cnnpar.zoo import data as data_lib
@@ -97,7 +99,7 @@ def export_model(model, base_dir, version, force, recorded=None):
         target = serving.export(model, base_dir, version, force=force)
     except FileExistsError:  # created since the refusal before the work
         raise Refused(_existing_version(base_dir, version)) from None
-    except serving.ExportError as error:
+    except (serving.ExportError, ValueError) as error:  # ValueError: weights that are not finite
         done = f"the run is recorded in {recorded[0]} (its weights: {recorded[1]}); " if recorded else ""
         raise click.ClickException(done + str(error)) from None
     click.echo(f"exported {target} (signature serving_default: pixels [N, 784] -> probabilities, class; "

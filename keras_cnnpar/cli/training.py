@@ -30,10 +30,10 @@ from keras_cnnpar.strategies import registry
                    "BatchNormalization (functional).")
 @click.option("--strategy", "strategy_name", type=RegisteredStrategy("auto"), default="single",
               show_default=True,
-              help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries())
-              + "; auto: the fastest configuration on --devices whose first step matches single's, measured "
-                "(see `cnnpar plan`; the plan is cached); on a cluster (TF_CONFIG, srun), multi-worker or single "
-                "on the chief, measured across the hosts.")
+              help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries(plugins=False))
+              + "; an installed plugin's strategies are choices too; auto: the fastest configuration on --devices "
+                "whose first step matches single's, measured (see `cnnpar plan`; the plan is cached); on a cluster "
+                "(TF_CONFIG, srun), multi-worker or single on the chief, measured across the hosts.")
 @click.option("--devices", type=click.IntRange(min=1), default=None,
               help="Devices to train on; logical CPU devices are created when the machine has fewer "
                    "accelerators. Default: 1 for single, every GPU or 2 CPUs for mirrored, 2 for layers and "

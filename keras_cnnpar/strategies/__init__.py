@@ -19,13 +19,13 @@ _CONTRACT = {**dict.fromkeys(["CheckpointedStrategy", "PeerLost", "Run", "RunSet
                               "create", "names", "register", "resolve"], "keras_cnnpar.strategies.base"),
              **dict.fromkeys(["Preempted", "SingleOnChief"], "keras_cnnpar.strategies.multi_worker")}
 
-__all__ = sorted([*_CONTRACT, *(entry.class_name for entry in registry.entries())])
+__all__ = sorted([*_CONTRACT, *(entry.class_name for entry in registry.entries(plugins=False))])
 
 
 def __getattr__(name):
     if name in _CONTRACT:
         return getattr(importlib.import_module(_CONTRACT[name]), name)
-    classes = {entry.class_name: entry for entry in registry.entries()}
+    classes = {entry.class_name: entry for entry in registry.entries(plugins=False)}
     if name in classes:
         return classes[name].load()
     raise AttributeError(f"module 'keras_cnnpar.strategies' has no attribute {name!r}")

@@ -15,7 +15,8 @@ A strategy defined elsewhere, in a user's script or package, registers when
 its class is created with the same ``@register("alias")`` (:func:`add`), and
 a package can offer its strategies to every ``cnnpar`` command through the
 entry-point group ``keras_cnnpar.strategies`` (``[project.entry-points."keras_cnnpar.strategies"]``
-``mine = "my_package.strategies"``: the module is imported when the registry is first read).
+``mine = "my_package.strategies"``: the module is imported when the registry's names are first read; one that fails
+is left out with a warning).
 
 >>> names()
 ['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
@@ -33,6 +34,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import warnings
 from pathlib import Path
 
 STRATEGIES = Path(__file__).parent
@@ -111,9 +113,10 @@ def entry(alias):
     return _registered()[alias]
 
 
-def entries():
-    """Every :class:`Entry`, in alias order."""
-    return [_registered()[alias] for alias in names()]
+def entries(*, plugins=True):
+    """Every :class:`Entry`, in alias order; ``plugins=False``: the package's own, read without importing a plugin."""
+    registered = _registered() if plugins else _entries()
+    return [registered[alias] for alias in sorted(registered)]
 
 
 def _registered():
@@ -125,11 +128,17 @@ _entry_points_loaded = []
 
 
 def _load_entry_points():
-    """Import, once, the modules that installed packages name in the ``keras_cnnpar.strategies`` group."""
+    """Import, once, the modules that installed packages name in the ``keras_cnnpar.strategies`` group; one that
+    fails (it raises, it is missing, it takes a name already taken) is left out with a warning of one line."""
     if not _entry_points_loaded:
         _entry_points_loaded.append(True)  # first: a plugin's module may read the registry as it imports
         for point in importlib.metadata.entry_points(group=ENTRY_POINTS):
-            point.load()
+            try:
+                point.load()
+            except Exception as error:  # anything a user's module raises: it must not break every command
+                said = " ".join(str(error).split())
+                warnings.warn(f"the strategy plugin {point.name} = {point.value} is left out: "
+                              f"{type(error).__name__}: {said}", stacklevel=3)
 
 
 @functools.cache

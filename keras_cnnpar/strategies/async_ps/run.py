@@ -32,7 +32,7 @@ class AsyncRun(base.Run):
         if self.precise is not None and self.precise.statistics is None:  # no BatchNormalization to recompute
             self.precise = None
         self.held = _bytes_per_task(model.weights)
-        self.slices = strategy.slices
+        self.slices = batch_slices(strategy.batch_slices, strategy.workers, settings.record.get("global_batch"))
 
     def report(self):
         strategy = self.strategy
@@ -47,7 +47,7 @@ class AsyncRun(base.Run):
                     if WeightAverage.kept(strategy.ema_momentum, self.model.optimizer) else "")
                  + (f"; BatchNormalization statistics recomputed from {strategy.precise_bn} batches after each epoch"
                     if self.precise else ""),
-                 slices_note(self.slices),
+                 slices_note(self.slices, strategy.slices),
                  *(f"{task} holds {count} model variables, {size / 1e6:.1f} MB"
                    for task, (count, size) in sorted(self.held.items())),
                  self.resumed_line()]
@@ -390,9 +390,10 @@ ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad",
 BATCHES_IN_FLIGHT = 4
 
 
-def batch_slices(slices, workers):
+def batch_slices(slices, workers, batch_size=None):
     """The slices each batch is trained in with ``workers`` workers: ``slices`` where given, else one per
-    :data:`BATCHES_IN_FLIGHT` workers, so that more workers put no more images in flight.
+    :data:`BATCHES_IN_FLIGHT` workers, so that more workers put no more images in flight; never more than the
+    ``batch_size`` examples of a batch, where it is known (a slice holds one example at least).
 
     A step's gradient is computed on weights that the updates in flight move
     before it lands. With 16 workers on whole batches that was about 12 batches'
@@ -401,22 +402,31 @@ def batch_slices(slices, workers):
 
     >>> [batch_slices(None, workers) for workers in (1, 2, 4, 5, 8, 16)], batch_slices(3, 2)
     ([1, 1, 1, 2, 2, 4], 3)
+    >>> batch_slices(None, 16, batch_size=1), batch_slices(1000, 2, batch_size=64)
+    (1, 64)
     """
-    return slices or math.ceil(workers / BATCHES_IN_FLIGHT)
+    wanted = slices or math.ceil(workers / BATCHES_IN_FLIGHT)
+    return wanted if batch_size is None else min(wanted, batch_size)
 
 
-def slices_note(slices):
-    """The run report's line on the slices each batch is trained in, or ``""`` for whole batches.
+def slices_note(slices, wanted=None):
+    """The run report's line on the slices each batch is trained in, or ``""`` for whole batches; ``wanted``: the
+    slices the workers called for, where a batch of ``slices`` examples holds fewer.
 
     >>> slices_note(1)
     ''
     >>> slices_note(4)
     'each batch trained in 4 slices, each a step and an update weighted by its share of the batch (batch_slices=4)'
+    >>> slices_note(1, wanted=4)
+    'each batch trained whole: a global batch of 1 example holds no more slices (batch_slices=4 called for)'
     """
+    capped = wanted is not None and wanted > slices
     if slices == 1:
-        return ""
+        return (f"each batch trained whole: a global batch of 1 example holds no more slices (batch_slices={wanted} "
+                f"called for)") if capped else ""
     return (f"each batch trained in {slices} slices, each a step and an update weighted by its share of the batch "
-            f"(batch_slices={slices})")
+            f"(batch_slices={slices}" + (f"; {wanted} called for, more than a global batch of {slices} examples "
+                                         f"holds)" if capped else ")"))
 
 
 def steps_per_group(steps_per_execution, steps, workers):
