@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/hosts.py: 
 import keras_cnnpar as cnnpar
 from keras_cnnpar.cluster import traffic
 from keras_cnnpar.plan import scaling
+from keras_cnnpar.strategies import compression
 from tests import hosts
 
 BATCH = 64
@@ -111,9 +112,10 @@ def single(net, data, model, epochs, folder):
     return images_per_second(folder / "h0" / "results")
 
 
-def multi_worker(net, data, model, epochs, folder, workers, accumulate=1):
+def multi_worker(net, data, model, epochs, folder, workers, accumulate=1, options=()):
     cluster = {"worker": [f"{net.address(i)}:2222" for i in range(workers)]}
-    line = train(data, model, "--strategy", "multi-worker", "--epochs", epochs, "--accumulate", accumulate)
+    line = train(data, model, "--strategy", "multi-worker", "--epochs", epochs, "--accumulate", accumulate,
+                 *[arg for option in options for arg in ("--option", option)])
     finished(run_on(net, {i: (line, tf_config(cluster, "worker", i)) for i in range(workers)}, folder), folder)
     return images_per_second(folder / "h0" / "results")
 
@@ -173,6 +175,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median counts")
     parser.add_argument("--digits", type=int, default=1600)
     parser.add_argument("--max-accumulate", type=int, default=5)
+    parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--only", default="", help="a regular expression: run the configurations it finds")
     args = parser.parse_args()
     print(cnnpar.hardware.describe(), flush=True)
     if reason := hosts.unshapeable():
@@ -223,6 +227,8 @@ def measure_model(net, data, model, link, single_images, transport, args, folder
     advised = scaling.accumulation_for(synced.with_transport(transport.get("multi-worker", 0.0)),
                                        scaling.COMMUNICATION_TARGET)
     k = min(advised, args.max_accumulate)
+    rank = args.powersgd_rank
+    compressed = 4 * compression.sent_floats([v.shape for v in cnnpar.models.cnn(model).trainable_variables], rank)
     configurations = [
         ("multi-worker, 2 hosts", "multi-worker",
          "mw2", lambda where: multi_worker(net, data, model, args.epochs, where, 2), synced,
@@ -236,7 +242,13 @@ def measure_model(net, data, model, link, single_images, transport, args, folder
          steps // k),
         ("async-ps, 2 workers + ps", "async-ps", "async", lambda where: async_ps(net, data, model, args.epochs, where),
          cnnpar.AsyncPS.host_step(3, 2 * step, link, size), size, steps),  # the ps link one way
+        (f"multi-worker, 2 hosts, PowerSGD r={rank}", "multi-worker",
+         "mw2p", lambda where: multi_worker(net, data, model, args.epochs, where, 2, options=(
+             "compression='powersgd'", f"powersgd_rank={rank}")),
+         cnnpar.MultiWorker.host_step(2, 2 * step, link, compressed, all_reduces=2),
+         traffic.ring_all_reduce(compressed, 2), steps),
     ]
+    configurations = [c for c in configurations if re.search(args.only, c[0])]
     measured = [("single, 1 host", "single", cnnpar.Single.host_step(1, step, link, size), single_images)]
     for name, alias, key, run, predicted, step_bytes, run_steps in configurations:
         images, moved, runs = repeated(net, run, folder / key, args.repeats)

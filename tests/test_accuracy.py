@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest 
 # 2+2 took 26). Hybrid runs in the precision this CPU computes fastest ("auto": bfloat16 where it is native),
 # for two epochs: its 2+2 read 0.955 and 0.957 after two (seeds 0 and 1, in bfloat16 and float32 alike), 2.5
 # points over the floor, at three times Single's step (its third epoch cost 30-40 s of the suite). Mirrored sums
-# its gradients in bfloat16 (``all_reduce_dtype``): in float32 its step is Single's (tests/test_strategies.py), in
+# its gradients in bfloat16 (``compression``): in float32 its step is Single's (tests/test_strategies.py), in
 # bfloat16 it is not, so that is the floor to guard, also for two epochs: its 2+2 read 0.957 and 0.956 after two
 # (seeds 0 and 1, AMD Zen 4), 2.6 points over the floor (its third epoch cost 15-40 s of the suite).
 #
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # three epochs on 4,000 digits per case: `pytest 
 # new seed; docs/measurements/2026-12-05-avx2-asyncps.md). Below 1 in 1,000 for the file.
 @pytest.mark.parametrize("kind, strategy, precision, epochs", [
     ("2+2", "single", "float32", 3), ("3+3", "single", "float32", 3),
-    pytest.param("2+2", cnnpar.DataParallel(2, all_reduce_dtype="bfloat16"), "float32", 2, id="2+2-mirrored-bf16-sum"),
+    pytest.param("2+2", cnnpar.DataParallel(2, compression="bfloat16"), "float32", 2, id="2+2-mirrored-bf16-sum"),
     ("2+2", "channels", "float32", 3), ("2+2", "hybrid", "auto", 2),
     pytest.param("2+2", "single", "mixed_bfloat16", 3, marks=NATIVE_BFLOAT16),
 ])

@@ -38,6 +38,7 @@ from tests.helpers import (
     processes,
     release,
     reserve_ports,
+    run_cli,
     still_alive_after,
     suite_processes,
     wait_for_epoch_rows,
@@ -282,6 +283,18 @@ def test_a_malformed_spec_file_names_the_line(tmp_path):
     with pytest.raises(ValueError) as raised:
         cnnpar.AsyncPS(cluster=str(spec))
     assert str(raised.value).startswith(f"{spec}: expected JSON, line 2 column 9: Expecting value. Received: ")
+
+
+@pytest.mark.parametrize("content", ["[]", '"str"', "3"])
+@pytest.mark.parametrize("command", ["probe", "serve"])
+def test_cluster_commands_refuse_a_spec_file_that_is_not_a_json_object_in_one_line(tmp_path, content, command):
+    spec = tmp_path / "list.json"
+    spec.write_text(content)
+    extra = ["--job", "ps", "--index", "0"] if command == "serve" else []
+    result = run_cli("cluster", command, "--cluster", spec, *extra)
+    assert f"{spec}: expected a JSON object, a TF_CONFIG-style one or a map of job name to addresses. Received: " \
+           f"{content}" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output
 
 
 def test_cluster_stop_refuses_a_spec_whose_pids_are_another_clusters_servers(tmp_path):

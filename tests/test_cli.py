@@ -19,6 +19,7 @@ from tests.helpers import (
     cnnpar_command,
     flock_waiters,
     kaggle_head,
+    one_line_refusal,
     processes,
     read_rows,
     tmpfs,
@@ -296,3 +297,12 @@ def test_train_with_auto_and_checks_exits_2_before_anything_runs(tmp_path):
     assert "--strategy auto checks the parity of every configuration in its plan; leave --checks out, or name a " \
            "strategy. Received: --checks" in " ".join(result.output.replace("│", " ").split())
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("name", ["runs.csv", "results.log"])
+def test_a_results_file_that_is_a_folder_is_refused_in_one_line_before_training(tmp_path, name):
+    (tmp_path / "results" / name).mkdir(parents=True)
+    result = run("train", "--epochs", "1", "--results", tmp_path / "results")
+    assert one_line_refusal(result) == (f"Error: {tmp_path / 'results' / name}: expected a file that this user can "
+                                        f"read and append to; it is a folder. Received: {tmp_path / 'results' / name}")
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [name]

@@ -136,8 +136,10 @@ def test_an_empty_tf_config_is_no_cluster_and_resolve_says_how_to_give_one(envir
     ({**SLURM, "SLURM_STEP_NUM_TASKS": "4"},
      "SLURM_STEP_NUM_TASKS: the step's 5 tasks (SLURM_STEP_TASKS_PER_NODE) disagree with it. "
      "Received: SLURM_STEP_NUM_TASKS='4', SLURM_STEP_TASKS_PER_NODE='2(x2),1'"),
-    ({**SLURM, "CNNPAR_SLURM_PORT": "70000"}, "CNNPAR_SLURM_PORT: expected an int in 1..65535. "
+    ({**SLURM, "CNNPAR_SLURM_PORT": "70000"}, "CNNPAR_SLURM_PORT: expected an int in 1..65534. "
                                               "Received: CNNPAR_SLURM_PORT='70000'"),
+    ({**SLURM, "CNNPAR_SLURM_PORT": "65535"}, "CNNPAR_SLURM_PORT: expected an int in 1..65534. "  # 2 tasks a node
+                                              "Received: CNNPAR_SLURM_PORT='65535'"),
     ({**KUBERNETES, "CNNPAR_K8S_WORKERS": "two"}, "CNNPAR_K8S_WORKERS: expected an int >= 1. "
                                                   "Received: CNNPAR_K8S_WORKERS='two'"),
     ({**KUBERNETES, "CNNPAR_K8S_WORKERS": "2"},

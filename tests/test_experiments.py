@@ -165,3 +165,13 @@ def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, sm
         sweep.wait(timeout=60)
         left = still_alive_after(training)
     assert training and left == [], f"{left} outlived the sweep"
+
+
+@pytest.mark.parametrize("counts", ["0", "-1", "2,0"])
+def test_a_sweep_over_no_devices_is_refused_in_one_line_before_any_run(counts, tmp_path):
+    result = CliRunner().invoke(cli.main, ["sweep", "--models", "2+2", "--strategies", "single", "--devices", counts,
+                                           "--results", str(tmp_path / "results")])
+    assert result.exit_code == 2
+    assert (f"Invalid value for '--devices': expected a comma-separated list of int of at least 1. Received: {counts}"
+            in " ".join(result.output.split()))
+    assert not (tmp_path / "results").exists()

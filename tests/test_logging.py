@@ -420,3 +420,13 @@ def test_a_runs_images_per_second_leaves_out_the_first_and_the_profiled_epoch_wh
     row = runs.append_run(tmp_path, info, epochs((10.0, ""), (90.0, "trace")))
     assert row["images_per_second"] == 90.0
     assert [r["images_per_second"] for r in read(tmp_path / "runs.csv")] == ["150.0", "90.0"]
+
+
+def test_a_runs_csv_that_a_spreadsheet_saved_with_a_byte_order_mark_keeps_its_rows(tmp_path):
+    text = runs.csv_text(runs.RUNS_COLUMNS, [dict.fromkeys(runs.RUNS_COLUMNS, "1")])
+    (tmp_path / "runs.csv").write_bytes(("\ufeff" + text).encode())  # as Excel's "CSV UTF-8" writes it
+    runs.check_runs_csv(tmp_path)
+    runs.prepare_runs_csv(tmp_path)
+    assert (tmp_path / "runs.csv").read_bytes() == ("\ufeff" + text).encode()  # nothing to migrate
+    assert [row["timestamp"] for row in runs.read_runs(tmp_path / "runs.csv")] == ["1"]
+    assert [row["timestamp"] for row in runs.read_csv(tmp_path / "runs.csv")] == ["1"]

@@ -53,17 +53,14 @@ BF16_ALL_REDUCE_TOLERANCE = 2**-6
 def test_a_bfloat16_all_reduce_steps_as_single_within_bfloat16s_rounding_and_says_so_in_its_parity(batch):
     single = one_sgd_step(build_small_cnn(seed=1), "single", batch)
     float32 = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2), batch)
-    halved = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2, all_reduce_dtype="bfloat16"), batch)
+    halved = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="bfloat16"), batch)
     step = assert_same_step(single, halved, BF16_ALL_REDUCE_TOLERANCE, before=build_small_cnn(seed=1), relative=True)
     assert max_weight_difference(single, float32) < 1e-5 < max_weight_difference(single, halved)  # it was cast
     assert max_weight_difference(single, halved) > 2**-12 * step  # bfloat16's rounding, not float32's
-    check = checks.GradientParityCheck(build_small_cnn(seed=1), cnnpar.DataParallel(2, all_reduce_dtype="bfloat16"),
+    check = checks.GradientParityCheck(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="bfloat16"),
                                        *batch)
     check.on_train_begin()
     assert check.verdict == "FAIL (expected: gradients all-reduced in bfloat16)"
-    with pytest.raises(ValueError, match=r"^all_reduce_dtype must be None \(the gradients' own dtype\) or "
-                                         r"'bfloat16'. Received: all_reduce_dtype='float16'$"):
-        cnnpar.DataParallel(2, all_reduce_dtype="float16")
 
 
 def test_the_prepared_copy_computes_in_bfloat16_with_a_float32_output_layer(batch):

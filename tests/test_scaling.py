@@ -7,6 +7,7 @@ import pytest
 import keras_cnnpar as cnnpar
 from keras_cnnpar.cluster import traffic
 from keras_cnnpar.plan import scaling
+from keras_cnnpar.strategies import compression
 from tests.helpers import one_line_refusal, run_cli
 
 #: The 2+2's trainable parameters at 28x28x1 and 10 classes, and their float32 bytes.
@@ -59,8 +60,11 @@ def test_plan_for_hosts_prints_and_writes_the_predicted_table_and_where_hosts_st
     best = max(synced, key=lambda hosts: float(synced[hosts]["images_per_second"]))
     assert f"adding hosts stops paying at {best} hosts" in result.output
     assert f"2+2: {PARAMETERS_2_2:,} parameters, 13.1 MB of gradient a step; one host: 889 images/s" in result.output
-    accumulated = [r for r in rows if r["configuration"].startswith("multi-worker accumulate")]
-    assert all(float(r["communication_share"]) <= scaling.COMMUNICATION_TARGET for r in accumulated)
+    accumulated = [(r, int(r["configuration"].split("K=")[1])) for r in rows
+                   if r["configuration"].startswith("multi-worker accumulate")]
+    assert all(k <= scaling.MAX_ACCUMULATE for _, k in accumulated)  # beyond it, another training: never advised
+    assert all(float(r["communication_share"]) <= scaling.COMMUNICATION_TARGET for r, k in accumulated
+               if k < scaling.MAX_ACCUMULATE)
 
 
 def test_plan_for_hosts_measures_one_hosts_step_here_when_none_is_given(tmp_path, small_csv):
@@ -92,7 +96,8 @@ def test_measured_runs_calibrate_their_configurations_predictions_with_the_trans
         cnnpar.AsyncPS.host_step(4, 0.072, link, BYTES_2_2).seconds + added["async-ps"])
     assert float(rows[1, "multi-worker"]["images_per_second"]) == pytest.approx(64 / 0.072)  # one host sends nothing
     accumulated = rows[4, "multi-worker accumulate"]
-    assert float(accumulated["communication_share"]) <= scaling.COMMUNICATION_TARGET
+    assert float(accumulated["communication_share"]) <= scaling.COMMUNICATION_TARGET or \
+        accumulated["configuration"].endswith(f"K={scaling.MAX_ACCUMULATE}")
     assert (f"calibrated with the measured runs: TensorFlow's transport adds {added['multi-worker'] * 1e3:.0f} ms to "
             f"multi-worker, {added['async-ps'] * 1e3:.0f} ms to async-ps a step") in result.output
 
@@ -107,7 +112,41 @@ def test_measured_runs_calibrate_their_configurations_predictions_with_the_trans
     (["--hosts", "4"], "Error: --hosts needs --link RATE, the hosts' link rate: 100mbit, 1gbit or 10gbit, say"),
     (["--hosts", "4", "--link", "1gbit", "--latency", "soon"], "Error: --link/--latency: link latency: expected a "
      "number and one of the units s, ms, us (0.1ms, 50us); received 'soon'"),
+    (["--hosts", "4", "--link", "1gbit", "--latency", "1e999s"], "Error: --link/--latency: link latency: expected a "
+     "number and one of the units s, ms, us (0.1ms, 50us); received '1e999s'"),
+    (["--hosts", "4", "--link", "1gbit", "--step-seconds", "inf"], "Error: --step-seconds must be a finite number of "
+     "seconds above 0. Received: --step-seconds inf"),
+    (["--hosts", "4", "--link", "1gbit", "--step-seconds", "nan"], "Error: --step-seconds must be a finite number of "
+     "seconds above 0. Received: --step-seconds nan"),
+    (["--hosts", "4", "--link", "1gbit", "--step-seconds", "0.1", "--measured", "multi-worker:2=294", "--measured",
+      "multi-worker:2=300"], "Error: --measured: multi-worker on 2 hosts given twice; give each once. Received: "
+     "--measured multi-worker:2=294, --measured multi-worker:2=300"),
 ])
 def test_plan_for_hosts_refuses_options_that_disagree_in_one_line(given, said, tmp_path):
     assert one_line_refusal(run_cli("plan", *given, "--out", tmp_path / "out")) == said
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_powersgd_row_sends_rank_4_factors_in_two_ring_rounds_and_the_plan_says_what_it_changes(tmp_path):
+    result = run_cli("plan", "--model", "2+2", "--hosts", "2", "--link", "100mbit", "--latency", "0.2ms",
+                     "--step-seconds", "0.036", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = {r["configuration"]: r for r in csv.DictReader((tmp_path / "out" / "scaling.csv").open())
+            if r["hosts"] == "2"}
+    sent = 4 * compression.sent_floats([v.shape for v in cnnpar.models.cnn("2+2").trainable_variables], 4)
+    assert sent < BYTES_2_2 / 100  # 2+2: its fc1 kernel (3136x1024) as 4 x (3136 + 1024) numbers
+    step = 0.036 / 2 + 8 * sent / 1e8 + 2 * 2 * 2e-4  # the ring's bytes (P, then Q: two all-reduces' latency)
+    assert float(rows["multi-worker powersgd r=4"]["images_per_second"]) == pytest.approx(64 / step)
+    assert ("compression='powersgd' (rank 4: each large gradient summed as rank-4 factors with error feedback, an "
+            "approximation of Single's update (docs/slow_links.md: its measured accuracy)) gives") in \
+        " ".join(result.output.split())
+
+
+def test_a_measured_run_faster_than_the_link_allows_is_refused_naming_it(tmp_path):
+    result = run_cli("plan", "--model", "2+2", "--hosts", "4", "--step-seconds", "0.1", "--link", "1gbit",
+                     "--measured", "async-ps:2=100000000", "--out", tmp_path / "out")
+    assert one_line_refusal(result) == (
+        "Error: --measured: async-ps:2=1e+08 is more than the 207 images/s that the link (1gbit, 0.1 ms latency) and "
+        "the step (100 ms) allow: it would make TensorFlow's transport take -310 ms a step; check the run, --link "
+        "and --step-seconds")
     assert not (tmp_path / "out").exists()

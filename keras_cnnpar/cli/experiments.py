@@ -10,9 +10,9 @@ from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
 
 
-def _csv_list(kind, choices=None):
+def _csv_list(kind, choices=None, minimum=None):
     """A click callback parsing a comma-separated list of ``kind``; ``choices``, a list or a function returning
-    one (read when the command runs), limits the values."""
+    one (read when the command runs), or ``minimum`` limits the values."""
 
     def parse(ctx, param, value):
         allowed = choices() if callable(choices) else choices
@@ -21,9 +21,9 @@ def _csv_list(kind, choices=None):
             items = [kind(v) for v in items]
         except ValueError:
             raise click.BadParameter(f"expected a comma-separated list of {kind.__name__}. Received: {value}") from None
-        bad = [v for v in items if allowed is not None and v not in allowed]
+        bad = [v for v in items if (allowed is not None and v not in allowed) or (minimum is not None and v < minimum)]
         if bad or not items:
-            expected = sorted(allowed) if allowed else kind.__name__
+            expected = sorted(allowed) if allowed else kind.__name__ + (f" of at least {minimum}" if minimum else "")
             raise click.BadParameter(f"expected a comma-separated list of {expected}. Received: {value}")
         return items
 
@@ -35,7 +35,7 @@ def _csv_list(kind, choices=None):
               help="Comma-separated model kinds.")
 @click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
               show_default=True, callback=_csv_list(str, registry.names), help="Comma-separated strategy names.")
-@click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int),
+@click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int, minimum=1),
               help="Comma-separated device counts (workers for async-ps and multi-worker).")
 @click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)

@@ -1,5 +1,6 @@
 """``cnnpar plan``: every configuration measured here and ranked, or on a cluster, or predicted for hosts."""
 
+import math
 import os
 
 import click
@@ -117,6 +118,9 @@ def _link(hosts, link, latency, step_seconds, measured_runs):
         return None
     if link is None:
         raise Refused("--hosts needs --link RATE, the hosts' link rate: 100mbit, 1gbit or 10gbit, say")
+    if step_seconds is not None and not step_seconds < math.inf:  # click's range lets inf and nan through
+        raise Refused(f"--step-seconds must be a finite number of seconds above 0. Received: --step-seconds "
+                      f"{step_seconds}")
     from keras_cnnpar.cluster import traffic
 
     try:
@@ -151,9 +155,15 @@ def _measured(measured_runs):
     from keras_cnnpar.plan import scaling
 
     try:
-        return [scaling.Measured.parse(text) for text in measured_runs]
+        runs = [scaling.Measured.parse(text) for text in measured_runs]
     except ValueError as error:
         raise Refused(f"--measured: {error}") from None
+    seen = {}
+    for text, run in zip(measured_runs, runs):
+        if (earlier := seen.setdefault((run.configuration, run.hosts), text)) != text:
+            raise Refused(f"--measured: {run.configuration} on {run.hosts} hosts given twice; give each once. "
+                          f"Received: --measured {earlier}, --measured {text}")
+    return runs
 
 
 def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds, measured, out_dir):
@@ -162,7 +172,10 @@ def _plan_hosts(model, model_kind, digits, batch_size, hosts, link, step_seconds
 
     if step_seconds is None:
         step_seconds = planner.single_step_seconds(model, digits.x, digits.y, batch_size=batch_size)
-    result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind, measured=measured)
+    try:
+        result = scaling.predict(model, hosts, link, step_seconds, batch_size, name=model_kind, measured=measured)
+    except ValueError as error:  # a measured run faster than the link allows
+        raise Refused(f"--measured: {error}") from None
     click.echo(result.text())
     _write_out(out_dir, ("scaling.csv", "scaling.png"), lambda: result.save(out_dir))
 

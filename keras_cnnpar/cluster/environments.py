@@ -150,7 +150,8 @@ class Slurm(ClusterEnvironment):
 
     def tf_config(self):
         nodes = self._nodes()
-        port = _int(self.environ, SLURM_PORT, DEFAULT_PORT, low=1, high=65535)
+        most = max(tasks for _, tasks in nodes)  # a node's tasks listen on the port and the next ones
+        port = _int(self.environ, SLURM_PORT, DEFAULT_PORT, low=1, high=65536 - most)
         workers = [f"{node}:{port + local}" for node, tasks in nodes for local in range(tasks)]
         return {"cluster": {"worker": workers}, "task": {"type": "worker", "index": self._rank(len(workers))}}
 

@@ -189,6 +189,9 @@ def parse_spec(cluster, jobs=("worker", "ps")):
     source = "cluster"
     if isinstance(cluster, (str, Path)):
         source, cluster = str(cluster), _json_file(cluster)
+        if not isinstance(cluster, dict):
+            raise ValueError(f"{source}: expected a JSON object, a TF_CONFIG-style one or a map of job name to "
+                             f"addresses. Received: {json.dumps(cluster)[:80]}")
     if not isinstance(cluster, dict):
         raise TypeError(f"cluster must be a dict, a tf.train.ClusterSpec or the path of a JSON file. "
                         f"Received: cluster of type {type(cluster).__name__}")

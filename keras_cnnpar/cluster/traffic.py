@@ -28,7 +28,7 @@ TIME_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6}
 
 def _parse(text, units, what, example):
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*", str(text).lower())
-    if not match or match[2] not in units or float(match[1]) < 0:
+    if not match or match[2] not in units or not 0 <= float(match[1]) < math.inf:
         raise ValueError(f"{what}: expected a number and one of the units {', '.join(units)} ({example}); "
                          f"received {text!r}")
     return float(match[1]) * units[match[2]]

@@ -118,10 +118,14 @@ def _expected_difference(model, strategy):
     """Why ``strategy``'s step on ``model`` is meant to differ from Single's, as ``(reason, explanation)``, or None:
     gradients all-reduced in bfloat16, or BatchNormalization over parts of the batch (replicas without
     ``sync_batchnorm``, or pipeline micro-batches)."""
-    if strategy.all_reduce_dtype is not None:
-        return (f"gradients all-reduced in {strategy.all_reduce_dtype}", f"its replicas sum their gradients in "
-                f"{strategy.all_reduce_dtype} (all_reduce_dtype), which rounds them to 8 significant bits; with "
-                f"all_reduce_dtype=None the step is Single's")
+    if strategy.compression == "bfloat16":
+        return ("gradients all-reduced in bfloat16", "its replicas sum their gradients in bfloat16 "
+                "(compression='bfloat16'), which rounds them to 8 significant bits; with compression=None the step "
+                "is Single's")
+    if strategy.compression == "powersgd":
+        return (f"gradients compressed by PowerSGD of rank {strategy.powersgd_rank}", f"its replicas sum rank "
+                f"{strategy.powersgd_rank} approximations of their large gradients (compression='powersgd'), with "
+                f"error feedback; with compression=None the step is Single's")
     if not any(isinstance(layer, keras.layers.BatchNormalization)
                for layer in model._flatten_layers(include_self=False, recursive=True)):
         return None

@@ -22,13 +22,16 @@ Example (a 2+2 step of 72 ms on one host, hosts joined by 1 Gbit/s):
 >>> print(result.text())  # doctest: +NORMALIZE_WHITESPACE
 2+2: 3,274,634 parameters, 13.1 MB of gradient a step; one host: 889 images/s (72.0 ms a step of 64)
 link: 1gbit, 0 ms latency
-hosts | multi-worker efficiency  comm | accumulate images/s  comm | async-ps efficiency
-    1 |          889       100%    0% |        K=1      889    0% |      n/a
-    2 |          455        26%   74% |       K=12     1431   20% |      227        13%
-    3 |          391        15%   85% |       K=24     2146   20% |      261        10%
-    4 |          365        10%   90% |       K=35     2846   20% |      274         8%
-adding hosts does not pay: one host is fastest (889 images/s); accumulating K=35 batches per all-reduce (an update \
-of 2240 images) brings communication to 20% of the step on 4 hosts: 2846 images/s
+hosts | multi-worker efficiency  comm | accumulate images/s  comm | powersgd images/s  comm | async-ps efficiency
+    1 |          889       100%    0% |        K=1      889    0% |      r=4      889    0% |      n/a
+    2 |          455        26%   74% |       K=12     1431   20% |      r=4     1738    2% |      227        13%
+    3 |          391        15%   85% |       K=16     1955   27% |      r=4     2551    4% |      261        10%
+    4 |          365        10%   90% |       K=16     2300   35% |      r=4     3328    6% |      274         8%
+adding hosts does not pay: one host is fastest (889 images/s); accumulating K=16 batches per all-reduce (an update \
+of 1024 images, 16 times Single's: another training) brings communication to 35% of the step on 4 hosts: 2300 \
+images/s (K is advised up to 16); compression='powersgd' (rank 4: each large gradient summed as rank-4 factors with \
+error feedback, an approximation of Single's update (docs/slow_links.md: its measured accuracy)) gives 3328 images/s \
+on 4 hosts at the global batch
 these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured \
 0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
 calibrates them
@@ -43,10 +46,17 @@ import numpy as np
 
 from keras_cnnpar import strategies
 from keras_cnnpar.plan import figures
+from keras_cnnpar.strategies import arguments, compression
 
 #: Communication share under which the accumulation the table suggests brings a multi-worker step (the
 #: original project's 20-30%: above it, change the parallelism).
 COMMUNICATION_TARGET = 0.2
+#: The most micro-batches the plan advises accumulating per all-reduce: an update of 16 global batches (1,024
+#: images at 64) already trains another way than Single (fewer, larger updates; the learning rate needs thought).
+MAX_ACCUMULATE = 16
+#: What PowerSGD changes in the training, said beside its row (docs/slow_links.md has the measured accuracy).
+POWERSGD_CHANGES = ("each large gradient summed as rank-{rank} factors with error feedback, an approximation of "
+                    "Single's update (docs/slow_links.md: its measured accuracy)")
 #: What the table's figures are without a measured run, printed under it (docs/hosts.md has the measurements).
 UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
                "(measured 0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
@@ -89,7 +99,7 @@ class Scaling:
     def of(self, configuration):
         """The predictions of ``configuration`` (``multi-worker``, ``async-ps``, ``multi-worker accumulate``),
         by host count."""
-        return {p.hosts: p for p in self.predictions if p.configuration.split(" K=")[0] == configuration}
+        return {p.hosts: p for p in self.predictions if re.sub(r" (K|r)=\d+$", "", p.configuration) == configuration}
 
     def text(self):
         single = self.batch_size / self.compute_seconds
@@ -97,14 +107,17 @@ class Scaling:
                  f"step; one host: {single:.0f} images/s ({self.compute_seconds * 1e3:.1f} ms a step of "
                  f"{self.batch_size})", f"link: {self.link}",
                  f"{'hosts':>5s} | {'multi-worker':>12s} {'efficiency':>10s} {'comm':>5s} | {'accumulate':>10s} "
-                 f"{'images/s':>8s} {'comm':>5s} | {'async-ps':>8s} {'efficiency':>10s}"]
-        synced, accumulated, asynchronous = (self.of(name) for name in
-                                             ("multi-worker", "multi-worker accumulate", "async-ps"))
+                 f"{'images/s':>8s} {'comm':>5s} | {'powersgd':>8s} {'images/s':>8s} {'comm':>5s} | {'async-ps':>8s} "
+                 f"{'efficiency':>10s}"]
+        synced, accumulated, compressed, asynchronous = (self.of(name) for name in (
+            "multi-worker", "multi-worker accumulate", "multi-worker powersgd", "async-ps"))
         for hosts, row in synced.items():
-            more, late = accumulated[hosts], asynchronous.get(hosts)
+            more, small, late = accumulated[hosts], compressed[hosts], asynchronous.get(hosts)
             lines.append(f"{hosts:5d} | {row.images_per_second:12.0f} {row.efficiency:10.0%} "
                          f"{row.communication_share:5.0%} | {'K=' + more.configuration.split('=')[1]:>10s} "
                          f"{more.images_per_second:8.0f} {more.communication_share:5.0%} | "
+                         f"{'r=' + small.configuration.split('=')[1]:>8s} {small.images_per_second:8.0f} "
+                         f"{small.communication_share:5.0%} | "
                          + (f"{late.images_per_second:8.0f} {late.efficiency:10.0%}" if late else f"{'n/a':>8s}"))
         added = ", ".join(f"{seconds * 1e3:.0f} ms to {name}" for name, seconds in self.transport.items())
         lines += [self.verdict(), CALIBRATED.format(added=added, checked=CALIBRATION_CHECKED) if added else UPPER_BOUND]
@@ -126,9 +139,15 @@ class Scaling:
         more = self.of("multi-worker accumulate")[most]
         k = int(more.configuration.split("=")[1])
         if k > 1:
-            said += (f"; accumulating K={k} batches per all-reduce (an update of {k * self.batch_size} images) "
-                     f"brings communication to {more.communication_share:.0%} of the step on {most} hosts: "
-                     f"{more.images_per_second:.0f} images/s")
+            said += (f"; accumulating K={k} batches per all-reduce (an update of {k * self.batch_size} images, "
+                     f"{k} times Single's: another training) brings communication to {more.communication_share:.0%} "
+                     f"of the step on {most} hosts: {more.images_per_second:.0f} images/s"
+                     + (f" (K is advised up to {MAX_ACCUMULATE})" if k == MAX_ACCUMULATE else ""))
+        small = self.of("multi-worker powersgd")[most]
+        if most > 1 and small.images_per_second > synced[most].images_per_second:
+            rank = int(small.configuration.split("=")[1])
+            said += (f"; compression='powersgd' (rank {rank}: {POWERSGD_CHANGES.format(rank=rank)}) gives "
+                     f"{small.images_per_second:.0f} images/s on {most} hosts at the global batch")
         return said
 
     def save(self, folder):
@@ -137,7 +156,7 @@ class Scaling:
         figure, axis = figures.pyplot().subplots(figsize=(7, 4))
         hosts = sorted(self.of("multi-worker"))
         axis.plot(hosts, [h * self.batch_size / self.compute_seconds for h in hosts], "k:", label="ideal")
-        for name in ("multi-worker", "multi-worker accumulate", "async-ps"):
+        for name in ("multi-worker", "multi-worker accumulate", "multi-worker powersgd", "async-ps"):
             rows = self.of(name)
             axis.plot(sorted(rows), [rows[h].images_per_second for h in sorted(rows)], "o-", label=name)
         axis.set(title=f"{self.model} over {self.link}", xlabel="hosts", ylabel="predicted images/s", xscale="log",
@@ -193,9 +212,17 @@ async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'
         return cls(match[1], int(match[2]), float(match[3]))
 
     def transport(self, compute_seconds, link, size, batch_size):
-        """Seconds TensorFlow's transport added to each step of this run beyond the link's bytes and latency."""
+        """Seconds TensorFlow's transport added to each step of this run beyond the link's bytes and latency; a
+        ``ValueError`` where the run is faster than the link and the step allow (a time below zero)."""
         predicted = _host_step(self.configuration, self.hosts, compute_seconds, link, size)
-        return predicted.transport_to(self.images_per_second, batch_size)
+        seconds = predicted.transport_to(self.images_per_second, batch_size)
+        if seconds < 0:
+            raise ValueError(f"{self.configuration}:{self.hosts}={self.images_per_second:g} is more than the "
+                             f"{predicted.images_per_second(batch_size):.0f} images/s that the link ({link}) and "
+                             f"the step ({compute_seconds * 1e3:.3g} ms) allow: it would make TensorFlow's "
+                             f"transport take {seconds * 1e3:.0f} ms a step; check the run, --link and "
+                             f"--step-seconds")
+        return seconds
 
 
 #: The configurations that train across hosts, and the strategy that predicts each one's step.
@@ -211,6 +238,8 @@ def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measu
     of ``batch_size`` in ``compute_seconds``; ``measured`` runs (:class:`Measured`) calibrate their configuration's
     predictions (several of one configuration: the mean of what they add)."""
     size = gradient_bytes(model)
+    rank = arguments.POWERSGD_RANK
+    compressed = 4 * compression.sent_floats([v.shape for v in model.trainable_variables], rank)
     single = batch_size / compute_seconds
     added = {}
     for run in measured:
@@ -218,8 +247,8 @@ def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measu
     transport = {configuration: statistics.mean(seconds) for configuration, seconds in added.items()}
     predictions = []
 
-    def step(configuration, count, **options):
-        predicted = _host_step(configuration, count, compute_seconds, link, size, **options)
+    def step(configuration, count, sent=size, **options):
+        predicted = _host_step(configuration, count, compute_seconds, link, sent, **options)
         return predicted and predicted.with_transport(transport.get(configuration, 0.0) if count > 1 else 0.0)
 
     def add(count, configuration, predicted):
@@ -233,6 +262,7 @@ def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measu
         add(count, "multi-worker", synced)
         k = accumulation_for(synced, COMMUNICATION_TARGET)
         add(count, f"multi-worker accumulate K={k}", step("multi-worker", count, accumulate=k))
+        add(count, f"multi-worker powersgd r={rank}", step("multi-worker", count, compressed, all_reduces=2))
         add(count, "async-ps", step("async-ps", count))
     parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     return Scaling(name or model.name, parameters, size, compute_seconds, batch_size, link, predictions, transport)
@@ -240,10 +270,14 @@ def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measu
 
 def accumulation_for(step, share):
     """The fewest micro-batches a multi-worker ``step`` must accumulate per all-reduce for its communication to be
-    at most ``share`` of the step.
+    at most ``share`` of the step, at most :data:`MAX_ACCUMULATE`.
 
     >>> from keras_cnnpar.cluster import traffic
+
     >>> accumulation_for(traffic.HostStep(0.036, 0.104), 0.2), accumulation_for(traffic.HostStep(0.036, 0.001), 0.2)
     (12, 1)
+    >>> accumulation_for(traffic.HostStep(0.036, 10.0), 0.2)
+    16
     """
-    return max(1, math.ceil(step.communication_seconds * (1 - share) / (share * step.compute_seconds)))
+    needed = math.ceil(step.communication_seconds * (1 - share) / (share * step.compute_seconds))
+    return max(1, min(MAX_ACCUMULATE, needed))

@@ -181,7 +181,7 @@ def read_csv(path):
     """The rows of a CSV file as dicts; ``[]`` when it does not exist."""
     if not Path(path).exists():
         return []
-    with open(path, newline="", encoding="utf-8") as file:
+    with open(path, newline="", encoding="utf-8-sig") as file:
         return list(csv.DictReader(file))
 
 
@@ -345,10 +345,34 @@ def check_runs_csv(results_dir):
     for name in (RUNS_CSV, RESULTS_LOG):
         if (Path(results_dir) / name).is_symlink():
             _open_in_place(Path(results_dir) / name)  # refuses it, naming the link and its target
+        _check_appendable(Path(results_dir) / name)
     path = Path(results_dir) / RUNS_CSV
     if path.exists():
         with open(path, newline="", encoding="utf-8") as file:
             _old_rows(path, file.read())
+
+
+def _check_appendable(path):
+    """Raise ``ValueError`` where ``path`` exists but is not a file this process can read and append to.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> (folder / RUNS_CSV).mkdir()
+    >>> _check_appendable(folder / RUNS_CSV)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: .../runs.csv: expected a file that this user can read and append to; it is a folder. Received: ...
+    """
+    if not path.exists():
+        return
+    found = ("a folder" if path.is_dir() else "not a regular file" if not path.is_file()
+             else None if os.access(path, os.R_OK | os.W_OK) else "not readable and writable by this user")
+    if found:
+        raise ValueError(f"{path}: expected a file that this user can read and append to; it is {found}. "
+                         f"Received: {path}")
+
+
+#: What Excel writes before the header of a CSV it saves as UTF-8; read as nothing.
+BYTE_ORDER_MARK = "\ufeff"
 
 
 def _migrated(path, text):
@@ -360,9 +384,9 @@ def _migrated(path, text):
 
 def _old_rows(path, text):
     """The rows of ``text`` of ``runs.csv`` as dicts when it has an older version's header; None when it has the
-    current one (or is empty). A ``ValueError`` for any other header, or a row of another number of values than
+    current one (or is empty; a byte-order mark before it, as a spreadsheet may write, is read as nothing). A ``ValueError`` for any other header, or a row of another number of values than
     its header (it could not be mapped: a migration never drops a row)."""
-    lines = text.splitlines(keepends=True)
+    lines = text.removeprefix(BYTE_ORDER_MARK).splitlines(keepends=True)
     header = next(csv.reader(lines[:1]), None)
     if header is None or header == RUNS_COLUMNS:
         return None
@@ -500,7 +524,7 @@ def read_runs(path):
     if not Path(path).exists():
         return []
     try:
-        with open(path, newline="", encoding="utf-8") as file:
+        with open(path, newline="", encoding="utf-8-sig") as file:  # "-sig": a byte-order mark read as nothing
             lines = list(csv.reader(file))
     except UnicodeDecodeError as error:
         raise ResultsFileError(f"{path}: expected UTF-8 text. Received: byte {error.object[error.start]:#04x} at "

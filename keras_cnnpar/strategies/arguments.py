@@ -12,6 +12,7 @@ ValueError: timeout must be a positive number of seconds. Received: timeout=0
 
 import math
 import os
+import warnings
 
 #: Keras mixed-precision policies a run can train under (``precision=``).
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -19,6 +20,10 @@ PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 PRECISION_CHOICES = (*PRECISIONS, "auto")
 #: ``scale_lr`` rules: the learning-rate factor for ``n`` replicas.
 SCALE_LR = {"linear": float, "sqrt": math.sqrt, None: lambda n: 1.0}
+#: The ``compression`` option's values (:mod:`.compression`): None sends the gradients whole in their own dtype.
+COMPRESSIONS = (None, "bfloat16", "powersgd")
+#: PowerSGD's rank where none is given (PyTorch's hook defaults to 1; the paper's image models used 2-4).
+POWERSGD_RANK = 4
 
 
 def positive_int(name, value):
@@ -90,22 +95,34 @@ def scale_lr(value):
     return value
 
 
-def all_reduce_dtype(value):
-    """An ``all_reduce_dtype`` option: ``None`` (the gradients' own dtype; also spelled ``"none"``) or
-    ``"bfloat16"`` (half the bytes of float32 on the wire).
+def compression(value, rank=None, all_reduce_dtype=None):
+    """The ``compression`` and ``powersgd_rank`` options as ``(compression, rank)``: ``None`` (the gradients whole,
+    in their own dtype; also spelled ``"none"``), ``"bfloat16"`` (half the bytes of float32 on the wire) or
+    ``"powersgd"`` (rank ``powersgd_rank`` factors, 4 by default; :mod:`.compression`). ``all_reduce_dtype``,
+    the former spelling of ``compression="bfloat16"``, is taken with a deprecation warning.
 
-    >>> all_reduce_dtype("bfloat16"), all_reduce_dtype("none")
-    ('bfloat16', None)
-    >>> all_reduce_dtype("float16")
+    >>> compression("bfloat16"), compression("none"), compression("powersgd"), compression("powersgd", 2)
+    (('bfloat16', None), (None, None), ('powersgd', 4), ('powersgd', 2))
+    >>> compression("float16")
     Traceback (most recent call last):
-    ValueError: all_reduce_dtype must be None (the gradients' own dtype) or 'bfloat16'. Received: \
-all_reduce_dtype='float16'
+    ValueError: compression must be None, 'bfloat16' or 'powersgd'. Received: compression='float16'
+    >>> compression("bfloat16", 4)
+    Traceback (most recent call last):
+    ValueError: powersgd_rank is for compression='powersgd'. Received: compression='bfloat16', powersgd_rank=4
     """
+    if all_reduce_dtype not in (None, "none"):
+        warnings.warn(f"all_reduce_dtype is now compression: give compression={all_reduce_dtype!r}",
+                      DeprecationWarning, stacklevel=3)
+        value = value or all_reduce_dtype
     value = None if value == "none" else value
-    if value not in (None, "bfloat16"):
-        raise ValueError(f"all_reduce_dtype must be None (the gradients' own dtype) or 'bfloat16'. Received: "
-                         f"all_reduce_dtype={value!r}")
-    return value
+    if value not in COMPRESSIONS:
+        raise ValueError(f"compression must be None, 'bfloat16' or 'powersgd'. Received: compression={value!r}")
+    if value != "powersgd":
+        if rank is not None:
+            raise ValueError(f"powersgd_rank is for compression='powersgd'. Received: compression={value!r}, "
+                             f"powersgd_rank={rank!r}")
+        return value, None
+    return value, positive_int("powersgd_rank", POWERSGD_RANK if rank is None else rank)
 
 
 def precision(value):

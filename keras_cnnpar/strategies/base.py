@@ -39,7 +39,7 @@ import tensorflow as tf
 from keras_cnnpar.cluster import traffic
 from keras_cnnpar.keras_compat import accumulation, rebuild
 from keras_cnnpar.results import checkpoints, runs
-from keras_cnnpar.strategies import arguments, memory, registry
+from keras_cnnpar.strategies import arguments, compression, memory, registry
 
 names = registry.names
 
@@ -192,8 +192,9 @@ class Strategy(metaclass=_Configuration):
     #: and ema_overwrite_frequency fail, and whether its optimizer's update all-reduces the replicas' gradients
     #: (the mirrored strategies).
     trains_under_tf_distribute = all_reduces_gradients = False
-    #: The dtype its gradients travel in between replicas (None: their own); see ``all_reduce_dtype`` options.
-    all_reduce_dtype = None
+    #: How its gradients travel between replicas (None: whole, in their own dtype), and PowerSGD's rank; see the
+    #: ``compression`` options.
+    compression = powersgd_rank = None
     #: Whether the training steps run in this process (a profiler here sees them; not so for async-ps's workers).
     steps_run_here = True
     #: Whether this process trains at all (False: a worker that waits for the chief's training and receives its
@@ -338,9 +339,26 @@ class Strategy(metaclass=_Configuration):
                                    fused_optimizer=settings.fused_optimizer, jit_compile=False if refusal else None,
                                    clone=accumulation.wrap(clone, self.accumulate, over_replicas))
         if self.all_reduces_gradients:
-            sum_over_replicas(prepared.optimizer, self.all_reduce_dtype)
+            sum_over_replicas(prepared.optimizer, self._gradient_sum(prepared))
             draw_apart_on_each_replica(prepared)
         return prepared
+
+    def _gradient_sum(self, model):
+        """The all-reduce of ``model``'s gradients as ``compression`` sends them (None: Keras's own)."""
+        if self.compression is None:
+            return None
+        if self.compression == "bfloat16":
+            return compression.reducer("bfloat16")
+        optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        clipping = [name for name in ("clipnorm", "global_clipnorm", "clipvalue") if getattr(optimizer, name)]
+        if clipping:
+            raise ValueError(f"compression='powersgd' cannot clip the summed gradients yet; leave the optimizer's "
+                             f"{clipping[0]} at None, or give compression='bfloat16' or None. "
+                             f"Received: {clipping[0]}={getattr(optimizer, clipping[0])}")
+        compression.check_rank(self.powersgd_rank, model.trainable_variables)
+        with self.scope():
+            return compression.reducer("powersgd", model.trainable_variables, self.powersgd_rank,
+                                       key=optimizer._var_key)
 
     def _refuse_what_fails_under_tf_distribute(self, optimizer):
         """Refuse the optimizer's settings that Keras runs in a ``cond`` around a ``merge_call``, which fails under
@@ -403,42 +421,26 @@ def summed_over_replicas(value):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value), context.num_replicas_in_sync
 
 
-def sum_over_replicas(optimizer, dtype=None):
-    """Make ``optimizer`` all-reduce its gradients in ``dtype`` (None: their own) and clip their sum, as ``Single``
-    clips the whole batch's.
+def sum_over_replicas(optimizer, summed=None):
+    """Make ``optimizer`` all-reduce its gradients with ``summed`` (:func:`compression.reducer`; None: whole, in
+    their own dtype) and clip their sum, as ``Single`` clips the whole batch's.
 
     Keras 3 clips (``clipnorm``, ``global_clipnorm``, ``clipvalue``) each
     replica's part of the gradient before its all-reduce sums them, so N
     replicas stepped up to N times as far as one device (tf-keras 2 clipped
     after the sum). With clipping set, the sum moves ahead of it: the
     all-reduce runs in ``_clip_gradients``, and the optimizer's own all-reduce
-    passes the summed gradients on. With ``dtype``, each gradient is cast to it
-    for the all-reduce (fewer bytes between hosts) and its sum cast back.
+    passes the summed gradients on (``summed`` then sees no variables: PowerSGD,
+    which keeps its state by variable, refuses clipping).
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     if optimizer.clipnorm or optimizer.global_clipnorm or optimizer.clipvalue:
+        summed = summed or compression.reducer(None)
         clip = optimizer._clip_gradients
-        optimizer._clip_gradients = lambda gradients: clip(_summed(gradients, dtype))
+        optimizer._clip_gradients = lambda gradients: clip([g for g, _ in summed([(g, None) for g in gradients])])
         optimizer._all_reduce_sum_gradients = list  # summed already
-    elif dtype is not None:
-        def all_reduce_in_dtype(grads_and_vars):
-            gradients, variables = zip(*grads_and_vars) if grads_and_vars else ((), ())
-            return list(zip(_summed(list(gradients), dtype), variables))
-
-        optimizer._all_reduce_sum_gradients = all_reduce_in_dtype
-
-
-def _summed(gradients, dtype):
-    """``gradients`` (None left as None) summed over the replicas in sync, sent in ``dtype`` where given; as they
-    are in the cross-replica context, where there is nothing to sum (as in Keras's own all-reduce)."""
-    context = tf.distribute.get_replica_context()
-    present = [g for g in gradients if g is not None]
-    if context is None or not present:
-        return gradients
-    sent = [tf.cast(g, dtype) for g in present] if dtype else present
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
-    summed = iter([tf.cast(s, g.dtype) for s, g in zip(summed, present)] if dtype else summed)
-    return [None if g is None else next(summed) for g in gradients]
+    elif summed is not None:
+        optimizer._all_reduce_sum_gradients = lambda grads_and_vars: summed(list(grads_and_vars))
 
 
 def draw_apart_on_each_replica(model):

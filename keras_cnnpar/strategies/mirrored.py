@@ -50,20 +50,28 @@ class DataParallel(Strategy):
             ``Single``'s; False keeps each replica's own statistics (Keras's
             and Lightning's default), which saves an all-reduce per layer and
             step but normalizes with ``batch_size / devices`` examples.
-        all_reduce_dtype: ``"bfloat16"`` sends the gradients between replicas
-            in bfloat16, half float32's bytes, and sums them there (each sum
-            then cast back); its step differs from Single's by bfloat16's
-            rounding (docs/data_parallel.md). None (default): their own dtype.
+        compression: how the gradients travel between replicas. None
+            (default): whole, in their own dtype, the step Single's.
+            ``"bfloat16"``: half float32's bytes, summed in bfloat16 (each sum
+            then cast back); the step differs from Single's by bfloat16's
+            rounding (docs/data_parallel.md). ``"powersgd"``: each large
+            gradient as rank ``powersgd_rank`` factors with error feedback
+            (:mod:`keras_cnnpar.strategies.compression`), for slow links; the
+            update approximates Single's (docs/slow_links.md).
+        powersgd_rank: PowerSGD's rank (default 4), with ``compression="powersgd"``.
+        all_reduce_dtype: the former spelling of ``compression="bfloat16"``
+            (deprecated).
     """
 
     description = "sync data parallel on MirroredStrategy"
     trains_under_tf_distribute = all_reduces_gradients = True
     min_devices = 2
 
-    def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True, all_reduce_dtype=None):
+    def __init__(self, devices=None, *, scale_lr=None, accumulate=1, sync_batchnorm=True, compression=None,
+                 powersgd_rank=None, all_reduce_dtype=None):
         super().__init__(steps_per_execution=1, accumulate=accumulate)
         self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
-        self.all_reduce_dtype = arguments.all_reduce_dtype(all_reduce_dtype)
+        self.compression, self.powersgd_rank = arguments.compression(compression, powersgd_rank, all_reduce_dtype)
         default = len(tf.config.list_physical_devices("GPU")) or 2
         self.devices = arguments.devices(default if devices is None else devices)
         self.scale_lr = arguments.scale_lr(scale_lr)

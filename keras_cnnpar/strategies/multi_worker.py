@@ -91,8 +91,13 @@ class MultiWorker(CheckpointedStrategy):
             :class:`DataParallel`: one all-reduce per ``accumulate`` micro-batches.
         sync_batchnorm: ``BatchNormalization`` statistics over the global
             batch of all workers (default True), as in :class:`DataParallel`.
-        all_reduce_dtype: ``"bfloat16"`` halves the bytes each step sends
-            between hosts, as in :class:`DataParallel`.
+        compression: ``"bfloat16"`` halves the bytes each step sends between
+            hosts, ``"powersgd"`` sends rank ``powersgd_rank`` factors of the
+            large gradients (docs/slow_links.md), as in :class:`DataParallel`.
+            A resumed run starts PowerSGD's error feedback anew.
+        powersgd_rank: PowerSGD's rank (default 4), with ``compression="powersgd"``.
+        all_reduce_dtype: the former spelling of ``compression="bfloat16"``
+            (deprecated).
     """
 
     description = "sync data parallel across processes, see --workers"
@@ -110,24 +115,27 @@ class MultiWorker(CheckpointedStrategy):
         return []
 
     @classmethod
-    def host_step(cls, hosts, compute_seconds, link, gradient_bytes, accumulate=1):
+    def host_step(cls, hosts, compute_seconds, link, gradient_bytes, accumulate=1, all_reduces=1):
         """Each host computes its share of ``accumulate`` global batches, then the hosts all-reduce the gradient
-        in a ring (:func:`traffic.ring_all_reduce`), as TensorFlow's collectives do between CPU hosts.
+        in a ring (:func:`traffic.ring_all_reduce`), as TensorFlow's collectives do between CPU hosts:
+        ``gradient_bytes`` as sent (compressed: :func:`.compression.sent_floats`), in ``all_reduces`` rounds of
+        the ring (PowerSGD's two).
 
         >>> step = MultiWorker.host_step(2, 0.072, traffic.Link.parse("1gbit"), 13_000_000)
         >>> round(step.compute_seconds, 3), round(step.communication_seconds, 3), round(step.images_per_second(64))
         (0.036, 0.104, 457)
         """
         ring = traffic.ring_all_reduce(gradient_bytes, hosts)
-        return traffic.HostStep(accumulate * compute_seconds / hosts, link.seconds(ring, rounds=2 * (hosts - 1)),
-                                images_factor=accumulate)
+        return traffic.HostStep(accumulate * compute_seconds / hosts,
+                                link.seconds(ring, rounds=2 * (hosts - 1) * all_reduces), images_factor=accumulate)
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
-                 accumulate=1, sync_batchnorm=True, all_reduce_dtype=None):
+                 accumulate=1, sync_batchnorm=True, compression=None,
+                 powersgd_rank=None, all_reduce_dtype=None):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
                          accumulate=accumulate)
         self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
-        self.all_reduce_dtype = arguments.all_reduce_dtype(all_reduce_dtype)
+        self.compression, self.powersgd_rank = arguments.compression(compression, powersgd_rank, all_reduce_dtype)
         self.task = cluster_lib.Task.parse(cluster) if cluster is not None else environment_task()
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)

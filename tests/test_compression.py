@@ -1,0 +1,104 @@
+"""Compressed gradient all-reduce (``compression=`` of DataParallel and MultiWorker): PowerSGD's arithmetic on two
+replicas of logical CPUs, its bookkeeping, and its refusals."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_cnnpar as cnnpar
+from keras_cnnpar.strategies import compression
+from tests.helpers import assert_same_step, build_small_cnn, one_sgd_step
+
+
+def summed_on_two_replicas(compressor, variables, parts):
+    """Each replica's gradients ``parts[replica]`` summed by ``compressor``; returns the sums as numpy."""
+    strategy = cnnpar.DataParallel(2)._tf_strategy()
+    stacked = [tf.constant(np.stack([part[i] for part in parts])) for i in range(len(variables))]
+
+    @tf.function
+    def step():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return [g for g, _ in compressor.summed([(tf.gather(s, replica), v) for s, v in zip(stacked, variables)])]
+
+    return [strategy.experimental_local_results(s)[0].numpy() for s in strategy.run(step)]
+
+
+def replica_gradients(variables, seed):
+    generator = np.random.default_rng(seed)
+    return [[generator.standard_normal(v.shape).astype(np.float32) for v in variables] for _ in range(2)]
+
+
+def test_powersgd_at_each_matrix_full_rank_sums_as_the_plain_all_reduce():
+    strategy = cnnpar.DataParallel(2)
+    model = build_small_cnn()
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(v.shape), name=v.name) for v in model.trainable_variables]
+        full = [compression.PowerSGD([v], rank=min(compression.matrix_shape(v.shape)), minimum=False)
+                for v in variables if compression.matrix_shape(v.shape)]
+    parts = replica_gradients(variables, seed=0)
+    compressed = [v for v in variables if compression.matrix_shape(v.shape)]
+    for compressor, variable in zip(full, compressed):
+        index = variables.index(variable)
+        (summed,) = summed_on_two_replicas(compressor, [variable], [[p[index]] for p in parts])
+        np.testing.assert_allclose(summed, parts[0][index] + parts[1][index], atol=1e-5 * np.abs(summed).max())
+
+
+def test_powersgd_error_feedback_keeps_what_the_approximation_left_out_on_each_replica():
+    """After a step of rank 1, the approximation plus both replicas' errors is the exact sum; the next step sends
+    the errors along, so over two steps the sums add up to the gradients' within what the second step leaves."""
+    strategy = cnnpar.DataParallel(2)
+    with strategy.scope():
+        kernel = tf.Variable(tf.zeros([40, 12]), name="kernel")
+        compressor = compression.PowerSGD([kernel], rank=1)
+    parts = replica_gradients([kernel], seed=1)
+    (first,) = summed_on_two_replicas(compressor, [kernel], parts)
+    (error,) = compressor.error.values()
+    errors = [e.numpy() for e in strategy._tf_strategy().experimental_local_results(error)]
+    exact = parts[0][0] + parts[1][0]
+    assert np.abs(first - exact).max() > 0.1  # rank 1 of a random 40x12 sum: far from it
+    np.testing.assert_allclose(first + errors[0] + errors[1], exact, atol=1e-4)
+    assert np.abs(errors[0] - errors[1]).max() > 0.1  # each replica keeps its own
+
+
+def test_powersgd_trains_a_step_near_single_and_says_how_it_differs(batch):
+    single = one_sgd_step(build_small_cnn(seed=1), "single", batch)
+    compressed = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="powersgd",
+                                                                           powersgd_rank=4), batch)
+    step = assert_same_step(single, compressed, 0.5, before=build_small_cnn(seed=1), relative=True)
+    assert step > 0
+    from keras_cnnpar.plan import checks
+
+    check = checks.GradientParityCheck(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="powersgd"),
+                                       *batch)
+    check.on_train_begin()
+    assert check.verdict == "FAIL (expected: gradients compressed by PowerSGD of rank 4)"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"compression": "float16"}, "compression must be None, 'bfloat16' or 'powersgd'. Received: "
+                                 "compression='float16'"),
+    ({"compression": "powersgd", "powersgd_rank": 0}, "powersgd_rank must be a positive int. Received: "
+                                                      "powersgd_rank=0"),
+    ({"powersgd_rank": 2}, "powersgd_rank is for compression='powersgd'. Received: compression=None, "
+                           "powersgd_rank=2"),
+])
+def test_bad_compression_options_are_refused_naming_the_option(options, message):
+    for strategy in (cnnpar.DataParallel, cnnpar.MultiWorker):
+        with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+            strategy(**({"devices": 2} if strategy is cnnpar.DataParallel else {"cluster": {}}), **options)
+
+
+def test_a_rank_that_compresses_no_gradient_is_refused_before_training(batch):
+    model = build_small_cnn()
+    with pytest.raises(ValueError, match=r"^powersgd_rank=1000 compresses none of the model's gradients: its "
+                                         r"largest, \S+/dense\S*/kernel \(2304x32\), would be sent as "
+                                         r"2336000 numbers, no fewer than its 73728; choose a rank below 32\. "
+                                         r"Received: powersgd_rank=1000$"):
+        one_sgd_step(model, cnnpar.DataParallel(2, compression="powersgd", powersgd_rank=1000), batch)
+
+
+def test_all_reduce_dtype_is_the_former_spelling_of_bfloat16_compression():
+    with pytest.warns(DeprecationWarning, match=r"^all_reduce_dtype is now compression: give "
+                                                r"compression='bfloat16'$"):
+        strategy = cnnpar.DataParallel(2, all_reduce_dtype="bfloat16")
+    assert strategy.compression == "bfloat16"
