@@ -1,4 +1,4 @@
-"""Training across hosts over links of a given rate: measured images/s beside the prediction of `cnnpar plan --hosts`.
+r"""Training across hosts over links of a given rate: measured images/s beside the prediction of `cnnpar plan --hosts`.
 
 Needs root: the hosts are network namespaces on this machine (``tests/hosts.py``), every link shaped with
 ``tc``'s token bucket at the rate ("unshaped": the bare veth pair). For each rate it first probes the link
@@ -11,7 +11,11 @@ the same run on hosts that share 2 cores has read 778 and 1,150 images/s), runs:
 - multi-worker on 2 and on 3 hosts;
 - multi-worker on 2 hosts with the accumulation the prediction advises (communication under 20% of the step),
   at most ``--max-accumulate`` (an epoch keeps at least 4 steps);
-- async-ps: its parameter server on one host, 2 workers on two others, the coordinator on a fourth.
+- async-ps: its parameter server on one host, 2 workers on two others, the coordinator on a fourth;
+- multi-worker on 2 hosts with ``compression="powersgd"`` of ``--powersgd-rank`` (its rank-r factors counted as
+  the bytes a step, in two all-reduces).
+
+``--only REGEX`` runs the configurations whose names it finds (Single always runs).
 
 Each is predicted by ``Strategy.host_step`` from Single's measured step and the probed link (the link alone: an upper
 bound), and calibrated as ``cnnpar plan --hosts --measured`` calibrates it: the unshaped link runs first, and its
@@ -23,7 +27,7 @@ whole batch takes workers x Single's step). The table prints measured, predicted
 and measured over calibrated; the last line counts the calibrated predictions at shaped rates within 25%.
 
 Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 3]
-[--repeats 3]
+[--repeats 3] [--only "2 hosts(, PowerSGD r=\d+)?$"] [--powersgd-rank 4]
 """
 
 import argparse
