@@ -1,13 +1,16 @@
 """Compressed gradient all-reduce (``compression=`` of DataParallel and MultiWorker): PowerSGD's arithmetic on two
 replicas of logical CPUs, its bookkeeping, and its refusals."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import keras_cnnpar as cnnpar
+from keras_cnnpar.plan import checks
 from keras_cnnpar.strategies import compression
-from tests.helpers import assert_same_step, build_small_cnn, one_sgd_step
+from tests.helpers import assert_same_step, build_small_cnn, max_weight_difference, one_sgd_step
 
 
 def summed_on_two_replicas(compressor, variables, parts):
@@ -64,10 +67,8 @@ def test_powersgd_trains_a_step_near_single_and_says_how_it_differs(batch):
     single = one_sgd_step(build_small_cnn(seed=1), "single", batch)
     compressed = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="powersgd",
                                                                            powersgd_rank=4), batch)
-    step = assert_same_step(single, compressed, 0.5, before=build_small_cnn(seed=1), relative=True)
-    assert step > 0
-    from keras_cnnpar.plan import checks
-
+    step = assert_same_step(single, compressed, 0.5, before=build_small_cnn(seed=1), relative=True)  # near it
+    assert max_weight_difference(single, compressed) > 0.01 * step  # yet not Single's: the sum was approximated
     check = checks.GradientParityCheck(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="powersgd"),
                                        *batch)
     check.on_train_begin()
@@ -84,7 +85,7 @@ def test_powersgd_trains_a_step_near_single_and_says_how_it_differs(batch):
 ])
 def test_bad_compression_options_are_refused_naming_the_option(options, message):
     for strategy in (cnnpar.DataParallel, cnnpar.MultiWorker):
-        with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             strategy(**({"devices": 2} if strategy is cnnpar.DataParallel else {"cluster": {}}), **options)
 
 

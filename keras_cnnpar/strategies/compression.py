@@ -89,9 +89,9 @@ def summed_whole(gradients, dtype=None):
 
 
 class PowerSGD:
-    """PowerSGD's state for one model on this replica: for each gradient it compresses (by its variable's path),
-    ``Q`` (warm-started, the same on every replica) and this replica's error feedback, kept in variables that
-    every replica holds its own copy of (``ON_READ``).
+    """PowerSGD's state for one model on this replica: for each gradient it compresses (found by ``key`` of its
+    variable; default ``id``), ``Q`` (warm-started, the same on every replica) and this replica's error feedback,
+    kept in variables that every replica holds its own copy of (``ON_READ``).
 
     Example (two replicas on logical CPUs; at a matrix's full rank the sum is exact):
 
