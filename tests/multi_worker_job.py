@@ -9,6 +9,9 @@ its own), writing under ``OUT-MODE``. Modes:
   ``MultiWorker(accumulate=2)``: one update, one gradient sync.
 - ``residual``: one SGD step of the resnet model in float64 (BatchNormalization,
   synchronized across the workers) on the same 64 digits.
+- ``local-step``: ``step`` under ``LocalSteps(inner_steps=1, outer="average")``.
+- ``local-steps``: the 64 digits as 4 batches of 16 under ``LocalSteps(inner_steps=3)``: 3 local steps, an
+  exchange, a fourth, the epoch's exchange.
 - ``shards``: every worker writes the example indices that ``cnnpar.fit`` handed
   its training steps, over two shuffled epochs, to ``OUT.<index>.json`` (a layer
   of the model records each step's input: the examples are their own indices).
@@ -70,14 +73,26 @@ def shards(strategy, out):
         json.dump(seen, file)
 
 
-MODES = {"step": (1, one_step), "accumulate": (2, lambda strategy, out: one_step(strategy, out, batch_size=32)),
-         "residual": (1, lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64")),
-         "shards": (1, shards)}
+def multi_worker(**options):
+    return lambda: cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, **options)
+
+
+def local_steps(**options):
+    return lambda: cnnpar.LocalSteps(checkpoint_dir=None, timeout=30, **options)
+
+
+#: Each mode's strategy, and what it runs.
+MODES = {"step": (multi_worker(), one_step),
+         "accumulate": (multi_worker(accumulate=2), lambda strategy, out: one_step(strategy, out, batch_size=32)),
+         "residual": (multi_worker(), lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64")),
+         "shards": (multi_worker(), shards),
+         "local-step": (local_steps(inner_steps=1, outer="average"), one_step),
+         "local-steps": (local_steps(inner_steps=3), lambda strategy, out: one_step(strategy, out, batch_size=16))}
 
 
 if __name__ == "__main__":
     modes, out = sys.argv[1].split(","), sys.argv[2]
     for mode in modes:
-        accumulate, run = MODES[mode]
+        strategy, run = MODES[mode]
         # The first joins the cluster before TensorFlow starts; the others share its cluster.
-        run(cnnpar.MultiWorker(checkpoint_dir=None, timeout=30, accumulate=accumulate), f"{out}-{mode}")
+        run(strategy(), f"{out}-{mode}")

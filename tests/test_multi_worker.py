@@ -62,7 +62,8 @@ def job(tmp_path_factory):
     """The outputs of one pair of worker processes that ran every mode of ``tests/multi_worker_job.py`` in turn:
     ``job(mode)`` is the prefix of that mode's files."""
     folder = tmp_path_factory.mktemp("job")
-    with processes([[sys.executable, str(JOB), "step,accumulate,residual,shards", str(folder / "out")]] * 2, folder,
+    modes = "step,accumulate,residual,shards,local-step,local-steps"
+    with processes([[sys.executable, str(JOB), modes, str(folder / "out")]] * 2, folder,
                    worker_envs()) as started:
         outputs = [p.communicate(timeout=300)[0] for p in started]
     assert [p.returncode for p in started] == [0, 0], outputs
@@ -87,6 +88,40 @@ def test_one_sgd_step_matches_one_device(job, digits, mode, builder, reference_s
     chief, other = ([arrays[f"arr_{i}"] for i in range(len(arrays.files))]
                     for arrays in (np.load(f"{out}.{i}.npz") for i in (0, 1)))
     assert_same_step(reference, chief, tolerance, before=builder(seed=1))  # the moving statistics included
+    assert max_difference(chief, other) == 0.0
+
+
+def worker_weights(out):
+    """The weights each worker of a job's mode saved, chief first."""
+    return [[arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+            for arrays in (np.load(f"{out}.{i}.npz") for i in (0, 1))]
+
+
+def test_local_steps_with_one_inner_step_and_averaging_is_multi_workers_sgd_step(job):
+    (chief, other), (plain, _) = worker_weights(job("local-step")), worker_weights(job("step"))
+    assert_same_step(plain, chief, 1e-6, before=build_small_cnn(seed=1))
+    assert max_difference(chief, other) == 0.0
+
+
+def test_local_steps_are_each_workers_own_sgd_steps_and_the_exchange_is_a_nesterov_step(job, digits):
+    """4 batches of 16 on 2 workers with inner_steps=3: each worker steps on its 8 of each batch; after 3 steps and
+    at the epoch's end, the mean change steps the anchor by SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
+    x, y = digits.x[::78][:64], digits.y[::78][:64]
+    workers = [build_small_cnn(seed=1) for _ in range(2)]
+    anchor = workers[0].get_weights()
+    momentum = [np.zeros_like(w) for w in anchor]
+    for steps in ([0, 1, 2], [3]):
+        for index, worker in enumerate(workers):
+            worker.set_weights(anchor)
+            for step in steps:
+                part = slice(16 * step + 8 * index, 16 * step + 8 * index + 8)
+                worker.train_on_batch(x[part], y[part])
+        change = [np.mean([a - w for w in weights], axis=0)
+                  for a, *weights in zip(anchor, *(worker.get_weights() for worker in workers))]
+        momentum = [0.9 * m + c for m, c in zip(momentum, change)]
+        anchor = [a - 0.7 * (c + 0.9 * m) for a, c, m in zip(anchor, change, momentum)]
+    chief, other = worker_weights(job("local-steps"))
+    assert_same_step(anchor, chief, 1e-5, before=build_small_cnn(seed=1))
     assert max_difference(chief, other) == 0.0
 
 

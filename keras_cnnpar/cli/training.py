@@ -43,9 +43,9 @@ from keras_cnnpar.strategies import registry
 @click.option("--mesh", default=None, callback=lambda ctx, param, value: _mesh(value), metavar="DATAxMODEL",
               help="For hybrid: replicas on the batch axis x shards on the channel axis, e.g. 2x2 (default).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="For multi-worker: start this many worker processes on this machine (without it, this process "
-                   "is one worker of the cluster that TF_CONFIG, srun or a Kubernetes Indexed Job describes). For "
-                   "async-ps: workers of the local cluster (default 2).")
+              help="For multi-worker and local-steps: start this many worker processes on this machine (without "
+                   "it, this process is one worker of the cluster that TF_CONFIG, srun or a Kubernetes Indexed Job "
+                   "describes). For async-ps: workers of the local cluster (default 2).")
 @click.option("--ps", type=click.IntRange(min=1), default=None,
               help="For async-ps: parameter servers of the local cluster (default 1).")
 @click.option("--cluster", "cluster_spec", type=click.Path(dir_okay=False), default=None,
@@ -110,16 +110,17 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     --workers N, N worker processes run this same command; only the chief
     (worker 0) writes files, and any worker's failure fails the command.
     """
-    if workers is not None and strategy_name == "multi-worker" and environments.detect() is None:
+    launched = workers is not None and _runs_in_launched_workers(strategy_name)
+    if launched and environments.detect() is None:
         return _launch_workers(workers)  # without TensorFlow: the launcher only waits on its workers
     quiet_tensorflow()
     from keras_cnnpar import strategies
 
-    if workers is not None and strategy_name == "multi-worker":
+    if launched:
         check_worker_count(workers)
         workers = None
     elif workers is not None and not strategies.accepts(strategy_name, "workers"):
-        raise click.BadParameter(f"--workers is for --strategy multi-worker or async-ps. "
+        raise click.BadParameter(f"--workers is for --strategy multi-worker, local-steps or async-ps. "
                                  f"Received: --strategy {strategy_name}", param_hint="--workers")
 
     import keras
@@ -189,6 +190,18 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
             results_dir, os.path.join(results_dir, runs.weights_files(history.run_record)[-1])))
     click.echo(_summary(model, model_kind, digits, train_part, val_part, strategy, batch_size, history,
                         time.perf_counter() - started, None if no_log else results_dir))
+
+
+def _runs_in_launched_workers(alias):
+    """Whether ``--workers N`` of strategy ``alias`` starts N processes that each run this command (multi-worker,
+    local-steps): its device count is ``--workers``, yet it takes no ``workers`` option (async-ps does: it starts
+    servers that one process drives).
+
+    >>> _runs_in_launched_workers("multi-worker"), _runs_in_launched_workers("async-ps")
+    (True, False)
+    """
+    return (alias in registry.names() and registry.entry(alias).device_option == "workers"
+            and "workers" not in registry.entry(alias).options)
 
 
 def _auto_devices(devices, checks):

@@ -164,9 +164,7 @@ def _examples(*structures):
 def _run_record(model, strategy, batch_size, precision, data):
     """What a checkpoint records of its run, so that a resume with other settings is refused."""
     return {"model": model.name, "strategy": strategy.alias, "devices": strategy.num_devices,
-            "global_batch": batch_size, "data": data, "scale_lr": strategy.scale_lr,
-            "accumulate": strategy.accumulate, "precision": precision, "compression": strategy.compression,
-            "powersgd_rank": strategy.powersgd_rank}
+            "global_batch": batch_size, "data": data, "precision": precision, **strategy.training_record()}
 
 
 def _hardware_precision(precision):

@@ -5,7 +5,7 @@ light; the strategy classes load with TensorFlow:
 
 >>> from keras_cnnpar import strategies
 >>> strategies.names()
-['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
+['async-ps', 'channels', 'hybrid', 'layers', 'local-steps', 'mirrored', 'multi-worker', 'single']
 >>> strategies.Hybrid
 <class 'keras_cnnpar.strategies.tensor_parallel.strategy.Hybrid'>
 """

@@ -311,6 +311,16 @@ class Strategy(metaclass=_Configuration):
         """
         return self.batch_pieces * self.accumulate
 
+    def training_record(self):
+        """The options that change how this strategy trains, as a checkpoint records them: a resume must keep
+        each one.
+
+        >>> resolve("single").training_record()
+        {'scale_lr': None, 'accumulate': 1, 'compression': None, 'powersgd_rank': None}
+        """
+        return {"scale_lr": self.scale_lr, "accumulate": self.accumulate, "compression": self.compression,
+                "powersgd_rank": self.powersgd_rank}
+
     def lr_factor(self):
         """How much ``scale_lr`` multiplies the learning rate for this many replicas."""
         return arguments.SCALE_LR[self.scale_lr](self.num_replicas)

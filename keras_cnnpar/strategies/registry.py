@@ -19,9 +19,9 @@ entry-point group ``keras_cnnpar.strategies`` (``[project.entry-points."keras_cn
 is left out with a warning).
 
 >>> names()
-['async-ps', 'channels', 'hybrid', 'layers', 'mirrored', 'multi-worker', 'single']
+['async-ps', 'channels', 'hybrid', 'layers', 'local-steps', 'mirrored', 'multi-worker', 'single']
 >>> names(needs_cluster=True)
-['async-ps', 'multi-worker']
+['async-ps', 'local-steps', 'multi-worker']
 >>> entry("hybrid").invalid(2)
 'hybrid needs a multiple of 2 devices, at least 4'
 >>> "devices" in entry("mirrored").options, "devices" in entry("single").options
