@@ -13,7 +13,9 @@ the same run on hosts that share 2 cores has read 778 and 1,150 images/s), runs:
   at most ``--max-accumulate`` (an epoch keeps at least 4 steps);
 - async-ps: its parameter server on one host, 2 workers on two others, the coordinator on a fourth;
 - multi-worker on 2 hosts with ``compression="powersgd"`` of ``--powersgd-rank`` (its rank-r factors counted as
-  the bytes a step, in two all-reduces).
+  the bytes a step, in two all-reduces);
+- local-steps on 2 and 3 hosts, and on 2 with ``compression="bfloat16"``, exchanging every ``--inner-steps``
+  steps and at each epoch's end (the exchanges an epoch has counted in the bytes a step).
 
 ``--only REGEX`` runs the configurations whose names it finds (Single always runs).
 
@@ -27,12 +29,13 @@ whole batch takes workers x Single's step). The table prints measured, predicted
 and measured over calibrated; the last line counts the calibrated predictions at shaped rates within 25%.
 
 Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 3]
-[--repeats 3] [--only "2 hosts(, PowerSGD r=\d+)?$"] [--powersgd-rank 4]
+[--repeats 3] [--only "2 hosts(, PowerSGD r=\d+)?$"] [--powersgd-rank 4] [--inner-steps 32]
 """
 
 import argparse
 import csv
 import json
+import math
 import os
 import re
 import statistics
@@ -116,9 +119,10 @@ def single(net, data, model, epochs, folder):
     return images_per_second(folder / "h0" / "results")
 
 
-def multi_worker(net, data, model, epochs, folder, workers, accumulate=1, options=()):
+def multi_worker(net, data, model, epochs, folder, workers, accumulate=1, options=(), strategy="multi-worker"):
     cluster = {"worker": [f"{net.address(i)}:2222" for i in range(workers)]}
-    line = train(data, model, "--strategy", "multi-worker", "--epochs", epochs, "--accumulate", accumulate,
+    line = train(data, model, "--strategy", strategy, "--epochs", epochs,
+                 *(("--accumulate", accumulate) if accumulate > 1 else ()),
                  *[arg for option in options for arg in ("--option", option)])
     finished(run_on(net, {i: (line, tf_config(cluster, "worker", i)) for i in range(workers)}, folder), folder)
     return images_per_second(folder / "h0" / "results")
@@ -180,6 +184,7 @@ def main():
     parser.add_argument("--digits", type=int, default=1600)
     parser.add_argument("--max-accumulate", type=int, default=5)
     parser.add_argument("--powersgd-rank", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=32, help="local steps' H")
     parser.add_argument("--only", default="", help="a regular expression: run the configurations it finds")
     args = parser.parse_args()
     print(cnnpar.hardware.describe(), flush=True)
@@ -252,6 +257,17 @@ def measure_model(net, data, model, link, single_images, transport, args, folder
          cnnpar.MultiWorker.host_step(2, 2 * step, link, compressed, all_reduces=2),
          traffic.ring_all_reduce(compressed, 2), steps),
     ]
+    h = args.inner_steps
+    exchanges = math.ceil(steps / args.epochs / h) * args.epochs  # and one at each epoch's end
+    for count, options in ((2, ()), (3, ()), (2, ("compression='bfloat16'",))):
+        sent = size // 2 if options else size
+        configurations.append((
+            f"local-steps, {count} hosts, H={h}{', bfloat16' if options else ''}", "local-steps",
+            f"ls{count}{'b' if options else ''}", lambda where, count=count, options=options: multi_worker(
+                net, data, model, args.epochs, where, count, options=(f"inner_steps={h}", *options),
+                strategy="local-steps"),
+            cnnpar.LocalSteps.host_step(count, count * step, link, sent, inner_steps=steps / exchanges),
+            traffic.ring_all_reduce(sent, count) * exchanges / steps, steps))
     configurations = [c for c in configurations if re.search(args.only, c[0])]
     measured = [("single, 1 host", "single", cnnpar.Single.host_step(1, step, link, size), single_images)]
     for name, alias, key, run, predicted, step_bytes, run_steps in configurations:

@@ -1,17 +1,27 @@
-"""What compressed gradients cost in accuracy: validation accuracy after the same epochs as Single, seed by seed.
+"""What the remedies for slow links cost in accuracy: validation accuracy after the same epochs as Single, by seed.
 
-Two replicas of ``DataParallel`` on logical CPUs sum their gradients as two hosts of ``MultiWorker`` do (the same
-``compression=`` code, on the same global batch), so the accuracy of a compression is measured here in one process;
-its speed across hosts is ``benchmarks/cluster_links.py``'s. For each model and seed (the 4,000/1,000 split of
-mnist-5k, global batch 64) it trains Single, then each compression, and prints the validation accuracy after the
-last epoch and its difference from Single's; the last line counts the runs within ``--within`` points of Single.
+Each configuration trains through ``cnnpar train`` on this machine (mnist-5k, its 4,000/1,000 split by the seed,
+global batch 64), the speed across hosts being ``benchmarks/cluster_links.py``'s:
+
+- ``single``;
+- a compression, as ``bfloat16`` or ``powersgd:RANK``: two replicas of ``mirrored`` on logical CPUs, which sum
+  their gradients as two hosts of ``multi-worker`` do (the same ``compression=`` code, on the same global batch);
+- local steps, as ``local:H`` or ``local:H:OUTER[:bfloat16]`` (``OUTER`` ``nesterov`` or ``average``): two
+  worker processes of ``local-steps`` (``--workers 2``).
+
+It prints each run's validation accuracy after the last epoch and its difference from Single's of the same seed;
+the last line counts the runs within ``--within`` points of Single (or above).
 
 Run: python benchmarks/compression_accuracy.py [--models 2+2,3+3] [--seeds 0,1,2] [--epochs 3]
-[--compressions powersgd:4,bfloat16]
+[--configurations powersgd:4,bfloat16,local:16,local:32:average]
 """
 
 import argparse
+import csv
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,28 +29,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import keras_cnnpar as cnnpar
 
-cnnpar.devices.configure(2)
-
-import keras  # noqa: E402  (after the logical devices)
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
 
 
-def strategy_of(name):
-    """``single``, ``none`` (plain all-reduce), ``bfloat16`` or ``powersgd:RANK`` as a strategy."""
-    if name == "single":
-        return cnnpar.Single()
-    kind, _, rank = name.partition(":")
-    return cnnpar.DataParallel(2, compression=None if kind == "none" else kind,
-                               powersgd_rank=int(rank) if rank else None)
+def strategy_arguments(name):
+    """``cnnpar train``'s strategy arguments for ``single``, ``bfloat16``, ``powersgd:RANK`` or ``local:H[:...]``.
+
+    >>> strategy_arguments("powersgd:4")
+    ['--strategy', 'mirrored', '--devices', '2', '--option', "compression='powersgd'", '--option', 'powersgd_rank=4']
+    >>> strategy_arguments("local:32:average:bfloat16")[4:]
+    ['--option', 'inner_steps=32', '--option', "outer='average'", '--option', "compression='bfloat16'"]
+    """
+    kind, *rest = name.split(":")
+    if kind == "single":
+        return ["--strategy", "single"]
+    if kind == "local":
+        options = [f"inner_steps={rest[0]}", *(f"outer={rest[1]!r}" for _ in rest[1:2]),
+                   *(f"compression={rest[2]!r}" for _ in rest[2:3])]
+        return ["--strategy", "local-steps", "--workers", "2", *(a for o in options for a in ("--option", o))]
+    options = [f"compression={kind!r}", *(f"powersgd_rank={rest[0]}" for _ in rest[:1])]
+    return ["--strategy", "mirrored", "--devices", "2", *(a for o in options for a in ("--option", o))]
 
 
-def accuracy(model_kind, name, seed, epochs, split):
-    train, val = split
-    keras.utils.set_random_seed(seed)
-    model = cnnpar.models.cnn(model_kind)
-    start = time.perf_counter()
-    history = model.fit(train.x, train.y, epochs=epochs, batch_size=64, validation_data=(val.x, val.y),
-                        strategy=strategy_of(name), results_dir=None, verbose=0)
-    return history.history["val_accuracy"][-1], time.perf_counter() - start
+def accuracy(model_kind, name, seed, epochs):
+    """The validation accuracy after ``epochs`` of ``name`` on ``model_kind`` with ``seed``, and the seconds."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "keras_cnnpar.cli", "train", "--model", model_kind, "--epochs",
+                        str(epochs), "--seed", str(seed), "--batch-size", "64", "--verbose", "0", "--results",
+                        folder, *strategy_arguments(name)], check=True, capture_output=True, env=ENV, cwd=folder)
+        with (Path(folder) / "runs.csv").open(newline="") as file:
+            (row,) = csv.DictReader(file)
+        return float(row["val_accuracy"]), time.perf_counter() - start
 
 
 def main():
@@ -48,24 +68,23 @@ def main():
     parser.add_argument("--models", default="2+2,3+3")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--compressions", default="powersgd:4")
+    parser.add_argument("--configurations", default="powersgd:4,local:16")
     parser.add_argument("--within", type=float, default=1.0, help="points of accuracy from Single's")
     args = parser.parse_args()
     print(cnnpar.hardware.describe(), flush=True)
-    split = cnnpar.data.split(cnnpar.data.load(), validation_fraction=0.2, seed=0)
     held = total = 0
-    print("model  seed  configuration   val_accuracy  vs single  seconds")
+    print("model  seed  configuration          val_accuracy  vs single  seconds")
     for model_kind in args.models.split(","):
         for seed in map(int, args.seeds.split(",")):
-            single, seconds = accuracy(model_kind, "single", seed, args.epochs, split)
-            print(f"{model_kind:6s} {seed:4d}  {'single':14s} {single:12.4f} {'':>9s} {seconds:8.1f}", flush=True)
-            for name in args.compressions.split(","):
-                value, seconds = accuracy(model_kind, name, seed, args.epochs, split)
+            single, seconds = accuracy(model_kind, "single", seed, args.epochs)
+            print(f"{model_kind:6s} {seed:4d}  {'single':22s} {single:12.4f} {'':>9s} {seconds:8.1f}", flush=True)
+            for name in args.configurations.split(","):
+                value, seconds = accuracy(model_kind, name, seed, args.epochs)
                 points = 100 * (value - single)
                 held, total = held + (abs(points) <= args.within or points > 0), total + 1
-                print(f"{model_kind:6s} {seed:4d}  {name:14s} {value:12.4f} {points:+9.2f} {seconds:8.1f}",
+                print(f"{model_kind:6s} {seed:4d}  {name:22s} {value:12.4f} {points:+9.2f} {seconds:8.1f}",
                       flush=True)
-    print(f"\n{held} of {total} compressed runs within {args.within} point of Single's validation accuracy (or above)")
+    print(f"\n{held} of {total} runs within {args.within} point of Single's validation accuracy (or above)")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """``cnnpar plan --hosts N --link RATE``: each strategy's step across hosts, computed by hand, and the table."""
 
 import csv
+import re
 
 import pytest
 
@@ -108,7 +109,7 @@ def test_measured_runs_calibrate_their_configurations_predictions_with_the_trans
      "N hosts"),
     (["--hosts", "4", "--link", "1gbit", "--step-seconds", "0.07", "--measured", "mirrored:2=900"],
      "Error: --measured: expected CONFIGURATION:HOSTS=IMAGES/S, as multi-worker:2=294 (configurations: multi-worker, "
-     "async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'"),
+     "local-steps, async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'"),
     (["--hosts", "4"], "Error: --hosts needs --link RATE, the hosts' link rate: 100mbit, 1gbit or 10gbit, say"),
     (["--hosts", "4", "--link", "1gbit", "--latency", "soon"], "Error: --link/--latency: link latency: expected a "
      "number and one of the units s, ms, us (0.1ms, 50us); received 'soon'"),
@@ -137,9 +138,35 @@ def test_the_powersgd_row_sends_rank_4_factors_in_two_ring_rounds_and_the_plan_s
     assert sent < BYTES_2_2 / 100  # 2+2: its fc1 kernel (3136x1024) as 4 x (3136 + 1024) numbers
     step = 0.036 / 2 + 8 * sent / 1e8 + 2 * 2 * 2e-4  # the ring's bytes (P, then Q: two all-reduces' latency)
     assert float(rows["multi-worker powersgd r=4"]["images_per_second"]) == pytest.approx(64 / step)
-    assert ("compression='powersgd' (rank 4: each large gradient summed as rank-4 factors with error feedback, an "
-            "approximation of Single's update (docs/slow_links.md: its measured accuracy)) gives") in \
-        " ".join(result.output.split())
+    assert ("multi-worker powersgd r=4 " + str(round(64 / step)) + " images/s: compression='powersgd': each large "
+            "gradient summed as rank-4 factors with error feedback, an approximation of Single's update "
+            "(docs/slow_links.md: its measured accuracy)") in " ".join(result.output.split())
+
+
+def test_the_local_steps_row_exchanges_the_weights_every_h_steps_and_the_plan_ranks_what_each_remedy_changes(
+        tmp_path):
+    result = run_cli("plan", "--model", "2+2", "--hosts", "2", "--link", "100mbit", "--step-seconds", "0.072",
+                     "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = {r["configuration"]: r for r in csv.DictReader((tmp_path / "out" / "scaling.csv").open())
+            if r["hosts"] == "2"}
+    (local,) = [name for name in rows if name.startswith("local-steps H=")]
+    h = int(local.split("=")[1])
+    assert h == scaling.MAX_INNER_STEPS  # 13 MB over 100 Mbit/s: the most it advises, and no more
+    step = 0.072 / 2 + 8 * BYTES_2_2 / 1e8 / h  # the ring's bytes (2 hosts: the weights once) every H steps
+    assert float(rows[local]["images_per_second"]) == pytest.approx(64 / step, rel=1e-3)
+    lines = result.output.splitlines()
+    first = lines.index("on 2 hosts, fastest first:")
+    ranked = [re.fullmatch(r"  (.+?) +(\d+) images/s: (.+)", line).groups() for line in lines[first + 1:first + 6]]
+    speeds = [int(images) for _, images, _ in ranked]
+    assert speeds == sorted(speeds, reverse=True), ranked
+    assert {name.split("=")[0] for name, _, _ in ranked} == {
+        "multi-worker", "multi-worker accumulate K", "multi-worker powersgd r", "local-steps H", "async-ps"}
+    changes = {name: said for name, _, said in ranked}
+    assert changes["multi-worker"] == "Single's training"
+    assert changes[local] == (f"inner_steps={h}: each host steps alone on its 32 examples of a batch, and the hosts "
+                              f"meet every {h} steps: another training (docs/slow_links.md: its measured accuracy) "
+                              f"(H is advised up to {h})")
 
 
 def test_a_measured_run_faster_than_the_link_allows_is_refused_naming_it(tmp_path):

@@ -22,18 +22,23 @@ Example (a 2+2 step of 72 ms on one host, hosts joined by 1 Gbit/s):
 >>> print(result.text())  # doctest: +NORMALIZE_WHITESPACE
 2+2: 3,274,634 parameters, 13.1 MB of gradient a step; one host: 889 images/s (72.0 ms a step of 64)
 link: 1gbit, 0 ms latency
-hosts | multi-worker efficiency  comm | accumulate images/s  comm | powersgd images/s  comm | async-ps efficiency
-    1 |          889       100%    0% |        K=1      889    0% |      r=4      889    0% |      n/a
-    2 |          455        26%   74% |       K=12     1431   20% |      r=4     1738    2% |      227        13%
-    3 |          391        15%   85% |       K=16     1955   27% |      r=4     2551    4% |      261        10%
-    4 |          365        10%   90% |       K=16     2300   35% |      r=4     3328    6% |      274         8%
-adding hosts does not pay: one host is fastest (889 images/s); accumulating K=16 batches per all-reduce (an update \
-of 1024 images, 16 times Single's: another training) brings communication to 35% of the step on 4 hosts: 2300 \
-images/s (K is advised up to 16); compression='powersgd' (rank 4: each large gradient summed as rank-4 factors with \
-error feedback, an approximation of Single's update (docs/slow_links.md: its measured accuracy)) gives 3328 images/s \
-on 4 hosts at the global batch
-these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured \
-0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
+hosts | multi-worker  eff  comm | accum  img/s  comm | powersgd  img/s  comm | local  img/s  comm | async-ps  eff
+    1 |          889 100%    0% |   K=1    889    0% |      r=4    889    0% |   H=1    889    0% |      n/a
+    2 |          455  26%   74% |  K=12   1431   20% |      r=4   1738    2% |  H=12   1431   20% |      227  13%
+    3 |          391  15%   85% |  K=16   1955   27% |      r=4   2551    4% |  H=24   2146   20% |      261  10%
+    4 |          365  10%   90% |  K=16   2300   35% |      r=4   3328    6% |  H=32   2793   21% |      274   8%
+plain multi-worker: adding hosts does not pay: one host is fastest (889 images/s)
+on 4 hosts, fastest first:
+ multi-worker powersgd r=4 3328 images/s: compression='powersgd': each large gradient summed as rank-4 factors with \
+error feedback, an approximation of Single's update (docs/slow_links.md: its measured accuracy)
+ local-steps H=32 2793 images/s: inner_steps=32: each host steps alone on its 16 examples of a batch, and the hosts \
+meet every 32 steps: another training (docs/slow_links.md: its measured accuracy) (H is advised up to 32)
+ multi-worker accumulate K=16 2300 images/s: an update of 1024 images, 16 times Single's: another training (K is \
+advised up to 16)
+  multi-worker                    365 images/s: Single's training
+  async-ps                        274 images/s: asynchronous updates from stale weights: another training
+these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more (measured 0.35-1.05x \
+of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, from a run over this link, \
 calibrates them
 """
 
@@ -54,9 +59,15 @@ COMMUNICATION_TARGET = 0.2
 #: The most micro-batches the plan advises accumulating per all-reduce: an update of 16 global batches (1,024
 #: images at 64) already trains another way than Single (fewer, larger updates; the learning rate needs thought).
 MAX_ACCUMULATE = 16
+#: The most inner steps the plan advises between two exchanges of local steps: their accuracy was measured up to
+#: 32 (docs/slow_links.md); more trains further from Single.
+MAX_INNER_STEPS = 32
 #: What PowerSGD changes in the training, said beside its row (docs/slow_links.md has the measured accuracy).
 POWERSGD_CHANGES = ("each large gradient summed as rank-{rank} factors with error feedback, an approximation of "
                     "Single's update (docs/slow_links.md: its measured accuracy)")
+#: What local steps change in the training, said beside their row.
+LOCAL_STEPS_CHANGES = ("each host steps alone on its {share} examples of a batch, and the hosts meet every {h} "
+                       "steps: another training (docs/slow_links.md: its measured accuracy)")
 #: What the table's figures are without a measured run, printed under it (docs/hosts.md has the measurements).
 UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
                "(measured 0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
@@ -99,56 +110,79 @@ class Scaling:
     def of(self, configuration):
         """The predictions of ``configuration`` (``multi-worker``, ``async-ps``, ``multi-worker accumulate``),
         by host count."""
-        return {p.hosts: p for p in self.predictions if re.sub(r" (K|r)=\d+$", "", p.configuration) == configuration}
+        return {p.hosts: p for p in self.predictions
+                if re.sub(r" (K|r|H)=\d+$", "", p.configuration) == configuration}
 
     def text(self):
         single = self.batch_size / self.compute_seconds
         lines = [f"{self.model}: {self.parameters:,} parameters, {self.gradient_bytes / 1e6:.1f} MB of gradient a "
                  f"step; one host: {single:.0f} images/s ({self.compute_seconds * 1e3:.1f} ms a step of "
                  f"{self.batch_size})", f"link: {self.link}",
-                 f"{'hosts':>5s} | {'multi-worker':>12s} {'efficiency':>10s} {'comm':>5s} | {'accumulate':>10s} "
-                 f"{'images/s':>8s} {'comm':>5s} | {'powersgd':>8s} {'images/s':>8s} {'comm':>5s} | {'async-ps':>8s} "
-                 f"{'efficiency':>10s}"]
-        synced, accumulated, compressed, asynchronous = (self.of(name) for name in (
-            "multi-worker", "multi-worker accumulate", "multi-worker powersgd", "async-ps"))
+                 f"{'hosts':>5s} | {'multi-worker':>12s} {'eff':>4s} {'comm':>5s} | {'accum':>5s} {'img/s':>6s} "
+                 f"{'comm':>5s} | {'powersgd':>8s} {'img/s':>6s} {'comm':>5s} | {'local':>5s} {'img/s':>6s} "
+                 f"{'comm':>5s} | {'async-ps':>8s} {'eff':>4s}"]
+        synced, accumulated, compressed, local, asynchronous = (self.of(name) for name in REMEDIES)
         for hosts, row in synced.items():
-            more, small, late = accumulated[hosts], compressed[hosts], asynchronous.get(hosts)
-            lines.append(f"{hosts:5d} | {row.images_per_second:12.0f} {row.efficiency:10.0%} "
-                         f"{row.communication_share:5.0%} | {'K=' + more.configuration.split('=')[1]:>10s} "
-                         f"{more.images_per_second:8.0f} {more.communication_share:5.0%} | "
-                         f"{'r=' + small.configuration.split('=')[1]:>8s} {small.images_per_second:8.0f} "
-                         f"{small.communication_share:5.0%} | "
-                         + (f"{late.images_per_second:8.0f} {late.efficiency:10.0%}" if late else f"{'n/a':>8s}"))
+            more, small, alone, late = accumulated[hosts], compressed[hosts], local[hosts], asynchronous.get(hosts)
+            lines.append(f"{hosts:5d} | {row.images_per_second:12.0f} {row.efficiency:4.0%} "
+                         f"{row.communication_share:5.0%} | {_option(more):>5s} {more.images_per_second:6.0f} "
+                         f"{more.communication_share:5.0%} | {_option(small):>8s} {small.images_per_second:6.0f} "
+                         f"{small.communication_share:5.0%} | {_option(alone):>5s} {alone.images_per_second:6.0f} "
+                         f"{alone.communication_share:5.0%} | "
+                         + (f"{late.images_per_second:8.0f} {late.efficiency:4.0%}" if late else f"{'n/a':>8s}"))
         added = ", ".join(f"{seconds * 1e3:.0f} ms to {name}" for name, seconds in self.transport.items())
-        lines += [self.verdict(), CALIBRATED.format(added=added, checked=CALIBRATION_CHECKED) if added else UPPER_BOUND]
+        lines += [self.verdict(), *self.ranked(),
+                  CALIBRATED.format(added=added, checked=CALIBRATION_CHECKED) if added else UPPER_BOUND]
         return "\n".join(lines)
 
     def verdict(self):
-        """Where adding hosts stops paying for MultiWorker at the global batch, and what accumulating gives."""
+        """Where adding hosts stops paying for plain MultiWorker at the global batch (:meth:`ranked`: the
+        remedies)."""
         synced = self.of("multi-worker")
         best = max(synced.values(), key=lambda p: p.images_per_second)
         if best.hosts == 1:
-            said = f"adding hosts does not pay: one host is fastest ({best.images_per_second:.0f} images/s)"
-        elif best.hosts == max(synced):
-            said = (f"adding hosts still pays at {best.hosts} hosts ({best.images_per_second:.0f} images/s, "
-                    f"efficiency {best.efficiency:.0%})")
-        else:
-            said = (f"adding hosts stops paying at {best.hosts} hosts ({best.images_per_second:.0f} images/s, "
-                    f"efficiency {best.efficiency:.0%}); more hosts are slower")
-        most = max(synced)
-        more = self.of("multi-worker accumulate")[most]
-        k = int(more.configuration.split("=")[1])
-        if k > 1:
-            said += (f"; accumulating K={k} batches per all-reduce (an update of {k * self.batch_size} images, "
-                     f"{k} times Single's: another training) brings communication to {more.communication_share:.0%} "
-                     f"of the step on {most} hosts: {more.images_per_second:.0f} images/s"
-                     + (f" (K is advised up to {MAX_ACCUMULATE})" if k == MAX_ACCUMULATE else ""))
-        small = self.of("multi-worker powersgd")[most]
-        if most > 1 and small.images_per_second > synced[most].images_per_second:
-            rank = int(small.configuration.split("=")[1])
-            said += (f"; compression='powersgd' (rank {rank}: {POWERSGD_CHANGES.format(rank=rank)}) gives "
-                     f"{small.images_per_second:.0f} images/s on {most} hosts at the global batch")
-        return said
+            return (f"plain multi-worker: adding hosts does not pay: one host is fastest "
+                    f"({best.images_per_second:.0f} images/s)")
+        if best.hosts == max(synced):
+            return (f"plain multi-worker: adding hosts still pays at {best.hosts} hosts "
+                    f"({best.images_per_second:.0f} images/s, efficiency {best.efficiency:.0%})")
+        return (f"plain multi-worker: adding hosts stops paying at {best.hosts} hosts ({best.images_per_second:.0f} "
+                f"images/s, efficiency {best.efficiency:.0%}); more hosts are slower")
+
+    def ranked(self):
+        """The configurations on the most hosts, fastest first, each with what it changes in the training (the
+        lines under the verdict).
+
+        Every one that trains differently from Single says how; accumulation
+        is advised up to ``MAX_ACCUMULATE`` batches, local steps up to
+        ``MAX_INNER_STEPS`` inner steps.
+        """
+        most = max(self.of("multi-worker"))
+        if most == 1:
+            return []
+        rows = [self.of(name)[most] for name in REMEDIES if most in self.of(name)]
+        lines = [f"on {most} hosts, fastest first:"]
+        for row in sorted(rows, key=lambda r: -r.images_per_second):
+            lines.append(f"  {row.configuration:28s} {row.images_per_second:6.0f} images/s: "
+                         f"{self.changes(row.configuration, most)}")
+        return lines
+
+    def changes(self, configuration, hosts):
+        """What ``configuration`` on ``hosts`` hosts changes in the training, compared with Single's."""
+        name, _, value = configuration.partition("=")
+        if name.endswith(" K"):
+            k = int(value)
+            return ("Single's training" if k == 1 else
+                    f"an update of {k * self.batch_size} images, {k} times Single's: another training"
+                    + (f" (K is advised up to {MAX_ACCUMULATE})" if k == MAX_ACCUMULATE else ""))
+        if name.endswith(" r"):
+            return f"compression='powersgd': {POWERSGD_CHANGES.format(rank=value)}"
+        if name.endswith(" H"):
+            return (f"inner_steps={value}: {LOCAL_STEPS_CHANGES.format(share=self.batch_size // hosts, h=value)}"
+                    + (f" (H is advised up to {MAX_INNER_STEPS})" if int(value) == MAX_INNER_STEPS else ""))
+        if name == "async-ps":
+            return "asynchronous updates from stale weights: another training"
+        return "Single's training"
 
     def save(self, folder):
         """Write ``scaling.csv`` and ``scaling.png`` (images/s against hosts, beside N times one host's) into
@@ -156,7 +190,7 @@ class Scaling:
         figure, axis = figures.pyplot().subplots(figsize=(7, 4))
         hosts = sorted(self.of("multi-worker"))
         axis.plot(hosts, [h * self.batch_size / self.compute_seconds for h in hosts], "k:", label="ideal")
-        for name in ("multi-worker", "multi-worker accumulate", "multi-worker powersgd", "async-ps"):
+        for name in REMEDIES:
             rows = self.of(name)
             axis.plot(sorted(rows), [rows[h].images_per_second for h in sorted(rows)], "o-", label=name)
         axis.set(title=f"{self.model} over {self.link}", xlabel="hosts", ylabel="predicted images/s", xscale="log",
@@ -165,6 +199,15 @@ class Scaling:
         figure.tight_layout()
         figures.write_table_and_figure(folder, "scaling", COLUMNS, [dataclasses.asdict(p) for p in self.predictions],
                                        figure)
+
+
+#: The configurations the table predicts on every host count.
+REMEDIES = ("multi-worker", "multi-worker accumulate", "multi-worker powersgd", "local-steps", "async-ps")
+
+
+def _option(prediction):
+    """The option of a configuration's prediction as the table prints it: ``K=12``, ``r=4``, ``H=16``."""
+    return prediction.configuration.rpartition(" ")[2]
 
 
 def host_counts(hosts):
@@ -196,7 +239,7 @@ class Measured:
     Traceback (most recent call last):
     ...
     ValueError: expected CONFIGURATION:HOSTS=IMAGES/S, as multi-worker:2=294 (configurations: multi-worker, \
-async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'
+local-steps, async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'
     """
 
     configuration: str
@@ -226,7 +269,7 @@ async-ps; 2 or more hosts; images/s above 0); received 'mirrored:2=900'
 
 
 #: The configurations that train across hosts, and the strategy that predicts each one's step.
-ACROSS_HOSTS = {"multi-worker": "MultiWorker", "async-ps": "AsyncPS"}
+ACROSS_HOSTS = {"multi-worker": "MultiWorker", "local-steps": "LocalSteps", "async-ps": "AsyncPS"}
 
 
 def _host_step(configuration, hosts, compute_seconds, link, size, **options):
@@ -263,14 +306,16 @@ def predict(model, hosts, link, compute_seconds, batch_size=64, name=None, measu
         k = accumulation_for(synced, COMMUNICATION_TARGET)
         add(count, f"multi-worker accumulate K={k}", step("multi-worker", count, accumulate=k))
         add(count, f"multi-worker powersgd r={rank}", step("multi-worker", count, compressed, all_reduces=2))
+        h = accumulation_for(synced, COMMUNICATION_TARGET, most=MAX_INNER_STEPS)  # the exchange over H steps
+        add(count, f"local-steps H={h}", step("local-steps", count, inner_steps=h))
         add(count, "async-ps", step("async-ps", count))
     parameters = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     return Scaling(name or model.name, parameters, size, compute_seconds, batch_size, link, predictions, transport)
 
 
-def accumulation_for(step, share):
+def accumulation_for(step, share, most=MAX_ACCUMULATE):
     """The fewest micro-batches a multi-worker ``step`` must accumulate per all-reduce for its communication to be
-    at most ``share`` of the step, at most :data:`MAX_ACCUMULATE`.
+    at most ``share`` of the step, at most ``most``; the same number of local steps between exchanges does it too.
 
     >>> from keras_cnnpar.cluster import traffic
 
@@ -280,4 +325,4 @@ def accumulation_for(step, share):
     16
     """
     needed = math.ceil(step.communication_seconds * (1 - share) / (share * step.compute_seconds))
-    return max(1, min(MAX_ACCUMULATE, needed))
+    return max(1, min(most, needed))
