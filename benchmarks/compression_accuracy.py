@@ -6,8 +6,9 @@ global batch 64), the speed across hosts being ``benchmarks/cluster_links.py``'s
 - ``single``;
 - a compression, as ``bfloat16`` or ``powersgd:RANK``: two replicas of ``mirrored`` on logical CPUs, which sum
   their gradients as two hosts of ``multi-worker`` do (the same ``compression=`` code, on the same global batch);
-- local steps, as ``local:H`` or ``local:H:OUTER[:bfloat16]`` (``OUTER`` ``nesterov`` or ``average``): two
-  worker processes of ``local-steps`` (``--workers 2``).
+- local steps, as ``local:H`` followed by any of ``:nesterov`` or ``:average`` (the outer optimizer),
+  ``:bfloat16`` and ``:NAME=VALUE`` (another option, as ``outer_momentum=0.5``): two worker processes of
+  ``local-steps`` (``--workers 2``).
 
 It prints each run's validation accuracy after the last epoch and its difference from Single's of the same seed;
 the last line counts the runs within ``--within`` points of Single (or above).
@@ -37,15 +38,16 @@ def strategy_arguments(name):
 
     >>> strategy_arguments("powersgd:4")
     ['--strategy', 'mirrored', '--devices', '2', '--option', "compression='powersgd'", '--option', 'powersgd_rank=4']
-    >>> strategy_arguments("local:32:average:bfloat16")[4:]
-    ['--option', 'inner_steps=32', '--option', "outer='average'", '--option', "compression='bfloat16'"]
+    >>> strategy_arguments("local:32:average:bfloat16:outer_lr=0.8")[4:]
+    ['--option', 'inner_steps=32', '--option', "outer='average'", '--option', "compression='bfloat16'", \
+'--option', 'outer_lr=0.8']
     """
     kind, *rest = name.split(":")
     if kind == "single":
         return ["--strategy", "single"]
     if kind == "local":
-        options = [f"inner_steps={rest[0]}", *(f"outer={rest[1]!r}" for _ in rest[1:2]),
-                   *(f"compression={rest[2]!r}" for _ in rest[2:3])]
+        options = [f"inner_steps={rest[0]}", *(word if "=" in word else f"compression={word!r}" if word == "bfloat16"
+                                               else f"outer={word!r}" for word in rest[1:])]
         return ["--strategy", "local-steps", "--workers", "2", *(a for o in options for a in ("--option", o))]
     options = [f"compression={kind!r}", *(f"powersgd_rank={rest[0]}" for _ in rest[:1])]
     return ["--strategy", "mirrored", "--devices", "2", *(a for o in options for a in ("--option", o))]

@@ -10,8 +10,8 @@ its own), writing under ``OUT-MODE``. Modes:
 - ``residual``: one SGD step of the resnet model in float64 (BatchNormalization,
   synchronized across the workers) on the same 64 digits.
 - ``local-step``: ``step`` under ``LocalSteps(inner_steps=1, outer="average")``.
-- ``local-steps``: the 64 digits as 4 batches of 16 under ``LocalSteps(inner_steps=3)``: 3 local steps, an
-  exchange, a fourth, the epoch's exchange.
+- ``local-steps``: the 64 digits as 4 batches of 16 under ``LocalSteps(inner_steps=3)``, DiLoCo's outer
+  step (Nesterov, lr 0.7, momentum 0.9): 3 local steps, an exchange, a fourth, the epoch's exchange.
 - ``shards``: every worker writes the example indices that ``cnnpar.fit`` handed
   its training steps, over two shuffled epochs, to ``OUT.<index>.json`` (a layer
   of the model records each step's input: the examples are their own indices).
@@ -87,7 +87,8 @@ MODES = {"step": (multi_worker(), one_step),
          "residual": (multi_worker(), lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64")),
          "shards": (multi_worker(), shards),
          "local-step": (local_steps(inner_steps=1, outer="average"), one_step),
-         "local-steps": (local_steps(inner_steps=3), lambda strategy, out: one_step(strategy, out, batch_size=16))}
+         "local-steps": (local_steps(inner_steps=3, outer_lr=0.7, outer_momentum=0.9),
+                         lambda strategy, out: one_step(strategy, out, batch_size=16))}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from keras_cnnpar import cli
 from keras_cnnpar.cli import training
@@ -164,7 +165,8 @@ def test_help_lists_every_command_and_option_in_its_sections():
             if isinstance(param, click.Option) and not param.hidden:
                 assert param.opts[0] in options.replace(",", " ").split(), (path, param.opts[0])
     train_help = section(run("train", "--help").output, "Options:")
-    assert all(f"{e.alias}: {e.description}" in " ".join(train_help.split()) for e in registry.entries())
+    said = " ".join(train_help.split()).replace("- ", "-")  # click wraps "local-steps" at its hyphen
+    assert all(f"{e.alias}: {e.description}" in said for e in registry.entries())
 
 
 @pytest.mark.slow  # a fresh Python process
@@ -306,3 +308,18 @@ def test_a_results_file_that_is_a_folder_is_refused_in_one_line_before_training(
     assert one_line_refusal(result) == (f"Error: {tmp_path / 'results' / name}: expected a file that this user can "
                                         f"read and append to; it is a folder. Received: {tmp_path / 'results' / name}")
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [name]
+
+
+@pytest.mark.parametrize("tf_config", ["not json", '{"cluster": {"worker": ["10.9.9.9:2222", "10.9.9.8:2222"]}, '
+                                                   '"task": {"type": "worker", "index": 0}}'])
+def test_launch_refuses_a_tf_config_already_set_naming_it_before_any_worker_starts(tf_config, tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    result = CliRunner().invoke(cli.main, ["launch", "--workers", "2", "--", "python", str(script)],
+                                env={"TF_CONFIG": tf_config})
+    line = one_line_refusal(result)
+    assert line.startswith("Error: TF_CONFIG is set, and cnnpar launch --workers 2 starts a cluster of its own on "
+                           "this machine: unset TF_CONFIG to launch here, or run the script itself on each host of "
+                           "TF_CONFIG's cluster with CNNPAR_MULTI_WORKER=1. Received: TF_CONFIG="), line
+    assert tf_config[:40] in line
+    assert not (tmp_path / "ran").exists()

@@ -15,6 +15,8 @@ from keras_cnnpar.strategies import registry
     ({"outer": "adam"}, "outer must be 'nesterov' or 'average'. Received: outer='adam'"),
     ({"outer_lr": 0}, "outer_lr must be a positive number. Received: outer_lr=0"),
     ({"outer_momentum": 1.0}, "outer_momentum must be a number in [0, 1). Received: outer_momentum=1.0"),
+    ({"outer": "average", "outer_lr": 0.5}, "outer_lr is for outer='nesterov'; 'average' takes the mean of the "
+                                            "weights. Received: outer='average', outer_lr=0.5"),
     ({"compression": "powersgd"}, "local-steps sends its weight changes whole: compression must be None or "
                                   "'bfloat16'. Received: compression='powersgd'"),
     ({"compression": "float16"}, "compression must be None, 'bfloat16' or 'powersgd'. Received: "

@@ -305,7 +305,7 @@ def test_every_epoch_runs_exactly_one_pass_over_the_data(small_cnn, few_digits, 
 
 def test_resume_is_for_strategies_that_keep_a_checkpoint(small_cnn, digits):
     with pytest.raises(ValueError, match=r"^strategy 'single' keeps no checkpoint to resume; resume is for "
-                                         r"\['async-ps', 'multi-worker'\]. Received: resume=True$"):
+                                         r"\['async-ps', 'local-steps', 'multi-worker'\]. Received: resume=True$"):
         cnnpar.fit(small_cnn(), digits.x[:64], digits.y[:64], strategy="single", resume=True, results_dir=None)
 
 

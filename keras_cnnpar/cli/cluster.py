@@ -56,6 +56,12 @@ def launch(workers, network_kind, command):
     if workers is None:
         schedulers = " or ".join(kind.name for kind in environments.ENVIRONMENTS if kind.creates_processes_externally)
         raise click.UsageError(f"Missing option '--workers' (needed unless {schedulers} started this process).")
+    if environment is not None:  # TF_CONFIG: a cluster of its own, which the launched workers would not be
+        given = " ".join(os.environ.get("TF_CONFIG", "").split())
+        raise Refused(f"TF_CONFIG is set, and cnnpar launch --workers {workers} starts a cluster of its own on this "
+                      f"machine: unset TF_CONFIG to launch here, or run the script itself on each host of "
+                      f"TF_CONFIG's cluster with {cluster_lib.JOIN_AT_IMPORT}=1. Received: "
+                      f"TF_CONFIG={given[:80]}{'...' if len(given) > 80 else ''}")
     code = local_workers.launch(command, workers, env={cluster_lib.JOIN_AT_IMPORT: "1"}, network_kind=network_kind)
     if code:
         sys.exit(code)

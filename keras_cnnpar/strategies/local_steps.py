@@ -1,34 +1,45 @@
 """Local steps across processes or hosts (DiLoCo): each worker trains on its own, the workers meet every H steps."""
 
+import contextlib
+import math
+
 import keras
 import tensorflow as tf
 
 from keras_cnnpar.cluster import traffic
-from keras_cnnpar.strategies import arguments, base
+from keras_cnnpar.keras_compat import rebuild
+from keras_cnnpar.strategies import arguments
 from keras_cnnpar.strategies.base import register
 from keras_cnnpar.strategies.multi_worker import MultiWorker, MultiWorkerRun
 
-#: The outer optimizers, as ``(learning rate, Nesterov momentum)`` by default: DiLoCo's (Douillard et al. 2023),
-#: and plain averaging of the workers' weights (PostLocalSGD's).
-OUTERS = {"nesterov": (0.7, 0.9), "average": (1.0, 0.0)}
+#: The outer optimizers, as ``(learning rate, Nesterov momentum)`` by default: DiLoCo's learning rate (Douillard
+#: et al. 2023) with half its momentum of 0.9, which cost the 3+3 1.2 to 15 points of accuracy in 3 epochs (12
+#: exchanges; docs/slow_links.md), and plain averaging of the workers' weights (PostLocalSGD's).
+OUTERS = {"nesterov": (0.7, 0.5), "average": (1.0, 0.0)}
 #: Inner steps between two exchanges by default.
-INNER_STEPS = 16
+INNER_STEPS = 32
+#: Training steps per call into TensorFlow, where ``inner_steps`` is a multiple of it (Single's default).
+STEPS_PER_EXECUTION = 8
 
 
 @register("local-steps")
 class LocalSteps(MultiWorker):
     """Data parallel across processes or hosts that exchange their weights every ``inner_steps`` steps (DiLoCo).
 
-    Every worker trains its own replica on its slice of every global batch,
-    as under :class:`MultiWorker`, but applies its own gradient with its own
-    optimizer at once: no all-reduce in the step. Every ``inner_steps``
+    Every worker trains its own copy of the model on its slice of every
+    global batch (worker ``i`` the ``i``-th, as under :class:`MultiWorker`)
+    with Keras's own ``fit`` and optimizer, outside any ``tf.distribute``
+    strategy: nothing crosses the hosts in a step. Every ``inner_steps``
     steps (and at the end of each epoch's training, so validation, the
     weights and the checkpoints see one model) the workers all-reduce their
     change since the last exchange; the mean change is the *outer gradient*
     that the outer optimizer applies to the weights they started from, and
     every worker continues from the result. BatchNormalization's moving
     statistics are averaged at each exchange; each worker's inner optimizer
-    state stays its own.
+    state stays its own. Training starts from the chief's weights and
+    optimizer state; each worker draws its own dropout masks. The epoch's
+    training loss and metrics are the chief's, over its slices; validation
+    runs on every worker over the whole validation data.
 
     This trains differently from Single (docs/slow_links.md has the measured
     accuracy): a worker's step sees ``batch_size / workers`` examples, and the
@@ -52,18 +63,18 @@ class LocalSteps(MultiWorker):
         inner_steps: H, the steps each worker takes between two exchanges.
         outer: ``"nesterov"`` (SGD with Nesterov momentum, DiLoCo's outer
             optimizer) or ``"average"`` (the workers' weights averaged).
-        outer_lr: the outer learning rate (default 0.7 for ``"nesterov"``, 1.0
-            for ``"average"``).
-        outer_momentum: the outer Nesterov momentum (default 0.9 for
-            ``"nesterov"``, 0 for ``"average"``).
+        outer_lr: the outer learning rate (default 0.7, DiLoCo's), for
+            ``"nesterov"``.
+        outer_momentum: the outer Nesterov momentum (default 0.5 for
+            ``"nesterov"``; DiLoCo's 0.9 suits runs of many exchanges).
         compression: ``"bfloat16"`` sends the changes in half the bytes; None
             (default) in float32.
         checkpoint_dir, resume, timeout: as :class:`MultiWorker`'s.
     """
 
     description = "data parallel across processes that meet every H steps (DiLoCo), see --workers"
-    #: Each worker applies its own gradient: the exchange, not the optimizer, crosses the hosts.
-    all_reduces_gradients = False
+    #: Each worker trains alone, outside tf.distribute: the exchange, not the step, crosses the hosts.
+    trains_under_tf_distribute = all_reduces_gradients = False
 
     @classmethod
     def configurations(cls, devices, batch_size):
@@ -91,6 +102,10 @@ class LocalSteps(MultiWorker):
         self.outer, self.outer_lr, self.outer_momentum = outer_optimizer(outer, outer_lr, outer_momentum)
         super().__init__(cluster, checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout,
                          sync_batchnorm=False, compression=compression)
+        #: Steps a call into TensorFlow runs (as Single's 8), in whole parts of an exchange's steps.
+        self.steps_per_execution = math.gcd(STEPS_PER_EXECUTION, self.inner_steps)
+        self.replica_index = int(self._strategy.experimental_local_results(self._strategy.run(
+            lambda: tf.distribute.get_replica_context().replica_id_in_sync_group))[0])
 
     def __repr__(self):
         return (f"<LocalSteps workers={self.task.num_workers} inner_steps={self.inner_steps} outer={self.outer} "
@@ -100,11 +115,23 @@ class LocalSteps(MultiWorker):
         return {**super().training_record(), "inner_steps": self.inner_steps, "outer": self.outer,
                 "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum}
 
-    def prepared_copy(self, model, settings, clone=None):
-        prepared = super().prepared_copy(model, settings, clone)
-        keep_gradients_local(prepared.optimizer)
-        base.draw_apart_on_each_replica(prepared)
-        return prepared
+    def scope(self):
+        """None: each worker's copy of the model is its own."""
+        return contextlib.nullcontext()
+
+    def distribute(self, dataset):
+        """This worker's slice of every batch of ``dataset`` (batched by the global batch): the ``i``-th of ``n``
+        workers takes examples ``[b i // n, b (i + 1) // n)`` of a batch of ``b`` (MultiWorker's slices where ``n``
+        divides ``b``)."""
+        workers, index = self.num_replicas, self.replica_index
+
+        def this_workers_slice(*batch):
+            size = tf.shape(tf.nest.flatten(batch)[0])[0]
+            start, end = size * index // workers, size * (index + 1) // workers
+            sliced = tf.nest.map_structure(lambda part: part[start:end], batch)
+            return sliced if len(batch) > 1 else sliced[0]
+
+        return dataset.map(this_workers_slice)
 
     def prepare(self, model, settings=None):
         local = self._strategy.extended.worker_devices
@@ -119,14 +146,23 @@ class LocalSteps(MultiWorker):
 def outer_optimizer(outer, lr=None, momentum=None):
     """The outer optimizer's ``(name, learning rate, momentum)``, its defaults filled in (:data:`OUTERS`).
 
-    >>> outer_optimizer("nesterov"), outer_optimizer("average"), outer_optimizer("nesterov", 0.5, 0.8)
-    (('nesterov', 0.7, 0.9), ('average', 1.0, 0.0), ('nesterov', 0.5, 0.8))
+    >>> outer_optimizer("nesterov"), outer_optimizer("average"), outer_optimizer("nesterov", 0.5, 0.9)
+    (('nesterov', 0.7, 0.5), ('average', 1.0, 0.0), ('nesterov', 0.5, 0.9))
     >>> outer_optimizer("adam")
     Traceback (most recent call last):
     ValueError: outer must be 'nesterov' or 'average'. Received: outer='adam'
+    >>> outer_optimizer("average", momentum=0.5)
+    Traceback (most recent call last):
+    ValueError: outer_momentum is for outer='nesterov'; 'average' takes the mean of the weights. Received: \
+outer='average', outer_momentum=0.5
     """
     if outer not in OUTERS:
         raise ValueError(f"outer must be 'nesterov' or 'average'. Received: outer={outer!r}")
+    given = [(name, value) for name, value in (("outer_lr", lr), ("outer_momentum", momentum)) if value is not None]
+    if outer == "average" and given:
+        name, value = given[0]
+        raise ValueError(f"{name} is for outer='nesterov'; 'average' takes the mean of the weights. Received: "
+                         f"outer='average', {name}={value!r}")
     default_lr, default_momentum = OUTERS[outer]
     lr = default_lr if lr is None else lr
     momentum = default_momentum if momentum is None else momentum
@@ -135,20 +171,6 @@ def outer_optimizer(outer, lr=None, momentum=None):
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ValueError(f"outer_momentum must be a number in [0, 1). Received: outer_momentum={momentum!r}")
     return outer, float(lr), float(momentum)
-
-
-def keep_gradients_local(optimizer):
-    """Make ``optimizer`` apply each replica's own gradient, all-reduced with no other: the gradient of the
-    replica's whole batch, which Keras had divided by the replicas in sync (for their sum), before clipping."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    clip = optimizer._clip_gradients
-
-    def clip_own(gradients):
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        return clip([None if g is None else g * tf.cast(replicas, g.dtype) for g in gradients])
-
-    optimizer._clip_gradients = clip_own
-    optimizer._all_reduce_sum_gradients = list
 
 
 class LocalStepsRun(MultiWorkerRun):
@@ -163,9 +185,28 @@ class LocalStepsRun(MultiWorkerRun):
 
     def fit(self, train, *, callbacks=(), **fit_kwargs):
         strategy = self.strategy
+        self.start_from_the_chiefs_state()
         exchange = Exchange(strategy._tf_strategy(), self.model, strategy.inner_steps, strategy.outer_lr,
                             strategy.outer_momentum, strategy.compression)
         return super().fit(train, callbacks=[exchange, *callbacks], **fit_kwargs)
+
+    def start_from_the_chiefs_state(self):
+        """Give every worker the chief's weights and optimizer state, then its own stream of random numbers (its
+        index added to each seed, as ``DataParallel``'s replicas)."""
+        model, strategy = self.model, self.strategy
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        variables = [*model.weights, *model.optimizer.variables]
+        for variable, value in zip(variables, strategy.broadcast([v.numpy() for v in variables])):
+            variable.assign(value)
+        for generator in rebuild.seed_generators(model):
+            offset = tf.constant([strategy.replica_index, 0], generator.state.dtype)
+            generator.state.assign(generator.state.value + offset)
+
+    def inputs(self, train, validation=None):
+        """This worker's slice of every training batch; the whole validation data, which every worker evaluates
+        with the same weights (an exchange comes before each validation)."""
+        return self.strategy.distribute(train), validation
 
 
 class Exchange(keras.callbacks.Callback):
@@ -184,44 +225,37 @@ class Exchange(keras.callbacks.Callback):
         self.sent_dtype = tf.bfloat16 if compression == "bfloat16" else None  # None: each in its own dtype
         self.weights = [v.value for v in model.trainable_variables]
         self.statistics = [v.value for v in model.non_trainable_variables if v.value.dtype.is_floating]
-        with tf_strategy.scope():
-            self.anchors = [tf.Variable(w.read_value(), trainable=False) for w in self.weights]
-            self.momenta = [tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False) for w in self.weights]
-        self.since = self.count = 0
+        self.anchors = [tf.Variable(w.read_value(), trainable=False) for w in self.weights]
+        self.momenta = [tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False) for w in self.weights]
+        self.steps = self.exchanged_at = self.count = 0  # this epoch's steps, at the last exchange, exchanges
         self._exchange = tf.function(self._exchange_now)
 
     def exchange(self):
         """Exchange now, unless no step was taken since the last exchange."""
-        if self.since:
+        if self.steps > self.exchanged_at:
             self._exchange()
-            self.since, self.count = 0, self.count + 1
+            self.exchanged_at, self.count = self.steps, self.count + 1
 
     def _exchange_now(self):
-        anchors, momenta, statistics = self.tf_strategy.run(self._outer_step)
-        for variable, value in zip([*self.anchors, *self.weights, *self.momenta, *self.statistics],
-                                   [*anchors, *anchors, *momenta, *statistics]):
-            variable.assign(value)
-
-    def _outer_step(self):
-        context = tf.distribute.get_replica_context()
-        replicas = float(context.num_replicas_in_sync)
         changes = [tf.cast(a - w, self.sent_dtype or w.dtype) for a, w in zip(self.anchors, self.weights)]
-        summed = context.all_reduce("SUM", [*changes, *(tf.identity(s) for s in self.statistics)])
-        means = [tf.cast(s, v.dtype) / tf.cast(replicas, v.dtype)
-                 for s, v in zip(summed, [*self.weights, *self.statistics])]
-        anchors, momenta = [], []
-        for anchor, momentum, change in zip(self.anchors, self.momenta, means):
-            momentum = self.momentum * momentum + change
-            anchors.append(anchor - self.lr * (change + self.momentum * momentum))
-            momenta.append(momentum)
-        return anchors, momenta, means[len(changes):]
+        summed = self.tf_strategy.experimental_local_results(self.tf_strategy.run(
+            lambda *sent: tf.distribute.get_replica_context().all_reduce("SUM", [tf.identity(t) for t in sent]),
+            args=(*changes, *(s.read_value() for s in self.statistics))))[0]
+        replicas = self.tf_strategy.num_replicas_in_sync
+        means = [tf.cast(s, v.dtype) / replicas for s, v in zip(summed, [*self.weights, *self.statistics])]
+        for anchor, momentum, weight, change in zip(self.anchors, self.momenta, self.weights, means):
+            momentum.assign(self.momentum * momentum + change)
+            anchor.assign_sub(self.lr * (change + self.momentum * momentum))
+            weight.assign(anchor)
+        for statistic, mean in zip(self.statistics, means[len(changes):]):
+            statistic.assign(mean)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.count = 0
+        self.steps = self.exchanged_at = self.count = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self.since += 1
-        if self.since == self.every:
+        self.steps = batch + 1  # Keras calls it after each call into TensorFlow, with the last step's index
+        if self.steps - self.exchanged_at >= self.every:
             self.exchange()
 
     def on_test_begin(self, logs=None):

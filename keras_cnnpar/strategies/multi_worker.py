@@ -223,10 +223,15 @@ class MultiWorker(CheckpointedStrategy):
 
     def broadcast(self, arrays):
         """``arrays`` (NumPy) as the chief's first replica has them, on every worker: each worker passes arrays of
-        the same shapes and dtypes, and one all-reduce sums them with every other replica's zeroed (floats travel
-        in their own dtype, so the chief's values arrive exact; other dtypes as float64)."""
+        the same shapes and dtypes, and an all-reduce (one a dtype) sums them with every other replica's zeroed (floats
+        travel in their own dtype, so the chief's values arrive exact; other dtypes as float64)."""
         sent = [tf.constant(a, a.dtype if np.issubdtype(a.dtype, np.floating) else np.float64) for a in arrays]
-        received = self._strategy.experimental_local_results(self._first_replicas_summed(sent))[0]
+        received = [None] * len(sent)
+        for dtype in {t.dtype for t in sent}:  # one all-reduce a dtype: TensorFlow packs alike tensors only
+            alike = [index for index, t in enumerate(sent) if t.dtype == dtype]
+            summed = self._strategy.experimental_local_results(self._first_replicas_summed([sent[i] for i in alike]))
+            for index, value in zip(alike, summed[0]):
+                received[index] = value
         return [value.numpy().astype(a.dtype) for value, a in zip(received, arrays)]
 
     def _first_replica_sum(self, sent):
@@ -277,13 +282,12 @@ class MultiWorkerRun(base.Run):
 
     def fit(self, train, *, validation_data=None, callbacks=(), **fit_kwargs):
         strategy, task = self.strategy, self.strategy.task
-        _contain_keras_20585(self.model, train.element_spec)
+        train, validation = self.inputs(train, validation_data)
         if self.checkpoint is not None:
             callbacks = [self.checkpoint.callback(), *callbacks]
-        validation = strategy.distribute(validation_data) if validation_data is not None else None
         try:
-            return self.model.fit(strategy.distribute(train), validation_data=validation, callbacks=callbacks,
-                                  shuffle=False, **fit_kwargs)
+            return self.model.fit(train, validation_data=validation, callbacks=callbacks, shuffle=False,
+                                  **fit_kwargs)
         except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError) as error:
             lost = _lost_peers(task, error.message)
             raise PeerLost(f"{task.type} {task.index}: training stopped because a peer failed or did not "
@@ -292,6 +296,13 @@ class MultiWorkerRun(base.Run):
         finally:
             if self.checkpoint is not None:
                 self.checkpoint.stop_watching()
+
+    def inputs(self, train, validation=None):
+        """``train`` and ``validation`` (batched by the global batch) as this worker reads them: every replica its
+        part of each batch; the prepared model is made ready for them (keras-team/keras#20585)."""
+        _contain_keras_20585(self.model, train.element_spec)
+        distribute = self.strategy.distribute
+        return distribute(train), distribute(validation) if validation is not None else None
 
 
 class SingleOnChief(Single):
