@@ -10,6 +10,7 @@ Keras's fit, after the strategy's and after the last ``single`` fit, then
 whether the strategy object's attributes are what they were before its ``fit``.
 """
 
+import os
 import sys
 
 import keras
@@ -19,7 +20,7 @@ import keras_cnnpar as cnnpar
 
 
 def main(alias):
-    if alias != "multi-worker":  # a launched worker joined its cluster at import, with one device
+    if "TF_CONFIG" not in os.environ:  # a launched worker joined its cluster at import, with one device
         cnnpar.devices.configure(4)
     digits = cnnpar.data.load()
     train, val = cnnpar.data.split(digits, validation_fraction=0.2, seed=0)
@@ -33,7 +34,8 @@ def main(alias):
     before = int(model.optimizer.iterations.numpy())
     strategy = cnnpar.strategies.resolve(alias)
     configuration = dict(vars(strategy))
-    resume = {"resume": True} if alias in ("multi-worker", "async-ps") else {}  # keeps a checkpoint: none yet
+    keeps = cnnpar.strategies.registry.entry(alias).keeps_checkpoints
+    resume = {"resume": True} if keeps else {}  # none yet
     history = model.fit(user_data, epochs=4, strategy=strategy, results_dir=None, verbose=0, callbacks=[stop],
                         **resume)
     steps = int(model.optimizer.iterations.numpy()) - before

@@ -22,7 +22,7 @@ STRATEGY_FLOOR, FINAL_FLOOR = 0.75, 0.84
 @pytest.mark.parametrize("alias", strategies.names())
 def test_a_model_built_and_trained_first_fits_under_every_strategy_and_then_under_single(alias, tmp_path):
     command = [sys.executable, str(JOB), alias]
-    if alias == "multi-worker":
+    if alias in ("multi-worker", "local-steps"):  # strategies of processes each running the user's script
         command = cnnpar_command("launch", "--workers", "2", "--", *command)
     # A user's script with TensorFlow's log level unset: AsyncPS's coordinator process starts quietly, where its
     # TensorFlow wrote 90 lines of start-up and server logs (ConfigProtos, "Started server") into the user's stderr.

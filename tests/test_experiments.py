@@ -107,8 +107,8 @@ def test_the_plan_runs_each_strategy_on_the_device_counts_it_declares():
     assert "hybrid on 3 devices: hybrid needs a multiple of 2 devices, at least 4" in skipped
     assert len(skipped) == len(names) * 4 - len(planned)  # every skip is reported once, not once per model
     assert [c.train_args() for c in configs if c.model == "2+2" and c.devices == 4] == [
-        ["--workers", "4"], ["--devices", "4"], ["--mesh", "2x2"], ["--devices", "4"], ["--devices", "4"],
-        ["--workers", "4"]]
+        ["--workers", "4"], ["--devices", "4"], ["--mesh", "2x2"], ["--devices", "4"], ["--workers", "4"],
+        ["--devices", "4"], ["--workers", "4"]]
 
 
 def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_started(tmp_path, monkeypatch):

@@ -407,8 +407,8 @@ def test_multi_worker_validates_its_arguments_before_joining(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["--workers", "2", "--strategy", "mirrored"], {}, "--workers is for --strategy multi-worker or async-ps. "
-                                                       "Received: --strategy mirrored"),
+    (["--workers", "2", "--strategy", "mirrored"], {},
+     "--workers is for --strategy multi-worker, local-steps or async-ps. Received: --strategy mirrored"),
     ([], {"TF_CONFIG": ""}, "no cluster: TF_CONFIG is not set."),
     ([], {"TF_CONFIG": "{oops"}, "TF_CONFIG: expected JSON, line 1 column 2"),
     (["--workers", "3"], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["localhost:1", "localhost:2"]},

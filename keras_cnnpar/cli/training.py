@@ -56,11 +56,12 @@ from keras_cnnpar.strategies import registry
                    "as its coordinator, which every task must reach (default: the spec's chief task, else this "
                    "host's address on the interface that routes to the cluster).")
 @click.option("--resume", is_flag=True, default=None,
-              help="For multi-worker and async-ps: continue an interrupted run from its checkpoint.")
+              help="For multi-worker, local-steps and async-ps: continue an interrupted run from its checkpoint.")
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
-              help="For multi-worker and async-ps: folder of the checkpoints. Default: RESULTS/checkpoints.")
+              help="For multi-worker, local-steps and async-ps: folder of the checkpoints. Default: "
+                   "RESULTS/checkpoints.")
 @click.option("--collective-timeout", "timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="For multi-worker: seconds a worker waits for its peers, at the start and in every "
+              help="For multi-worker and local-steps: seconds a worker waits for its peers, at the start and in every "
                    "all-reduce, before failing (default 60). For async-ps: seconds to wait for the servers of "
                    "--cluster to answer (default 30).")
 @click.option("--accumulate", type=click.IntRange(min=1), default=None,

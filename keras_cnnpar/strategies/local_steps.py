@@ -75,6 +75,7 @@ class LocalSteps(MultiWorker):
     description = "data parallel across processes that meet every H steps (DiLoCo), see --workers"
     #: Each worker trains alone, outside tf.distribute: the exchange, not the step, crosses the hosts.
     trains_under_tf_distribute = all_reduces_gradients = False
+    min_devices = 2  # one worker alone would only add the outer step to Single's training
 
     @classmethod
     def configurations(cls, devices, batch_size):
