@@ -283,13 +283,13 @@ def test_the_command_line_given_to_each_worker_gives_it_every_parameter_of_the_l
     """`cnnpar train --workers N` starts N workers with its own command line again: flags, off switches and
     repeated options included."""
     given = ["--strategy", "multi-worker", "--workers", "2", "--no-fused-optimizer", "--checks", "--option",
-             "timeout=5", "--option", "scale_lr='linear'", "--epochs", "1", "--results", "somewhere"]
+             "compression='bfloat16'", "--option", "powersgd_rank=2", "--epochs", "1", "--results", "somewhere"]
     context = training.train.make_context("train", list(given))
     again = training._command_line(context)
     assert again[0] == "train"
     assert training.train.make_context("train", again[1:]).params == context.params
     assert context.params["fused_optimizer"] is False and context.params["strategy_options"] == (
-        "timeout=5", "scale_lr='linear'")
+        "compression='bfloat16'", "powersgd_rank=2")
 
 
 def test_train_with_auto_and_checks_exits_2_before_anything_runs(tmp_path):

@@ -14,8 +14,8 @@ from tests.helpers import cnnpar_command
 
 #: Every variable that an environment reads, or that an assignment of GPUs writes.
 VARIABLES = ["TF_CONFIG", "SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
-             "CNNPAR_SLURM_PORT", "CNNPAR_SLURM_NODE_GPUS", "CUDA_VISIBLE_DEVICES", "JOB_COMPLETION_INDEX",
-             "HOSTNAME", "CNNPAR_K8S_WORKERS", "CNNPAR_K8S_SERVICE", "CNNPAR_K8S_PORT"]
+             "SLURM_NTASKS", "CNNPAR_SLURM_PORT", "CNNPAR_SLURM_NODE_GPUS", "CUDA_VISIBLE_DEVICES",
+             "JOB_COMPLETION_INDEX", "HOSTNAME", "CNNPAR_K8S_WORKERS", "CNNPAR_K8S_SERVICE", "CNNPAR_K8S_PORT"]
 TF_CONFIG = {"TF_CONFIG": json.dumps({"cluster": {"chief": ["h0:2222"], "worker": ["h1:2222", "h2:2222"]},
                                       "task": {"type": "worker", "index": 1}})}
 SLURM = {"SLURM_PROCID": "3", "SLURM_STEP_NODELIST": "node[9-10],gpu7", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
@@ -136,6 +136,9 @@ def test_an_empty_tf_config_is_no_cluster_and_resolve_says_how_to_give_one(envir
     ({**SLURM, "SLURM_STEP_NUM_TASKS": "4"},
      "SLURM_STEP_NUM_TASKS: the step's 5 tasks (SLURM_STEP_TASKS_PER_NODE) disagree with it. "
      "Received: SLURM_STEP_NUM_TASKS='4', SLURM_STEP_TASKS_PER_NODE='2(x2),1'"),
+    ({**SLURM, "SLURM_NTASKS": "3"},  # an allocation's 3 tasks on 2 nodes, where the step's say otherwise
+     "SLURM_NTASKS: the step's 5 tasks (SLURM_STEP_TASKS_PER_NODE) disagree with it. "
+     "Received: SLURM_NTASKS='3', SLURM_STEP_TASKS_PER_NODE='2(x2),1'"),
     ({**SLURM, "CNNPAR_SLURM_PORT": "70000"}, "CNNPAR_SLURM_PORT: expected an int in 1..65534. "
                                               "Received: CNNPAR_SLURM_PORT='70000'"),
     ({**SLURM, "CNNPAR_SLURM_PORT": "65535"}, "CNNPAR_SLURM_PORT: expected an int in 1..65534. "  # 2 tasks a node

@@ -316,16 +316,32 @@ def test_a_dead_peer_fails_the_others_within_the_timeout(tmp_path, small_csv):
            "lost: /job:worker/replica:0/task:1." in output
 
 
-def test_a_cluster_that_does_not_assemble_fails_within_the_timeout(tmp_path):
-    """The message is the 5 s timeout's own (TensorFlow's "Timeout (0:00:05)!"): no wall clock is needed."""
+def test_a_cluster_that_does_not_assemble_fails_in_one_line_naming_the_peer_that_never_answered(tmp_path):
+    """TF_CONFIG names a second worker that is never started: one line names it, where faulthandler's
+    "Timeout (0:01:00)!" and 20 frames said nothing of it; no process is left."""
     lone_chief = worker_envs()[0]
+    peer = json.loads(lone_chief["TF_CONFIG"])["cluster"]["worker"][1]
     result = subprocess.run(cnnpar_train("--results", "results", "--collective-timeout", "5"), cwd=tmp_path,
                             env=lone_chief, capture_output=True, text=True, timeout=120)
+    stderr = result.stderr
     assert result.returncode == 1
-    assert "worker 0: joining the cluster {'worker': [" in result.stderr
-    assert "]}; the process exits if it has not assembled within timeout=5.0 s" in result.stderr
-    assert "Timeout (0:00:05)!" in result.stderr
-    assert not (tmp_path / "results").exists()
+    assert "worker 0: joining the cluster {'worker': [" in stderr
+    assert "]}; the process exits if it has not assembled within timeout=5.0 s" in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("Error")]
+    assert lines == [f"Error: worker 0: the cluster did not assemble within timeout=5.0 s: worker 1 ({peer}) never "
+                     f"answered; start every task of the cluster, or check the names and ports its environment "
+                     f"gives (TF_CONFIG, Slurm, Kubernetes)"], stderr
+    assert "Timeout (" not in stderr and "Traceback" not in stderr and "File " not in stderr
+    watches = [pid for pid in Path("/proc").iterdir() if pid.name.isdigit() and peer.encode() in read_or_empty(
+        pid / "cmdline")]
+    assert watches == [] and not (tmp_path / "results").exists()  # the watch ended with the process it watched
+
+
+def read_or_empty(path):
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended meanwhile
+        return b""
 
 
 def listening_ports(net_folder):

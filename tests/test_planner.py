@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import statistics
 import time
 
@@ -184,6 +185,39 @@ def test_a_plan_is_cached_per_model_batch_and_devices(few_digits, tmp_path, monk
     remeasured = planner.plan(build_small_cnn(), x, y, batch_size=64, devices=1, log=lines.append)
     assert not remeasured.cached and lines[0].startswith(f"plan: the cached plan {planner.cache_path(first.key)} "
                                                          f"is unreadable (JSONDecodeError")
+
+
+@pytest.mark.parametrize("edit, figures", [({"images_per_second": -5.0}, "images_per_second -5.0"),
+                                           ({"images_per_second": math.nan}, "images_per_second nan"),
+                                           ({"compute": 1.5}, "compute 1.5")])
+def test_a_cached_plan_with_figures_no_measurement_gives_is_measured_again(few_digits, tmp_path, monkeypatch, edit,
+                                                                            figures):
+    """docs/plan.md: a hand-edited cache (Single at -5 images/s, a NaN, a share above 1) is not what auto
+    trains from."""
+    monkeypatch.setenv("CNNPAR_CACHE", str(tmp_path))
+    x, y = few_digits
+    first = planner.plan(build_small_cnn(), x, y, batch_size=64, devices=1, log=lambda line: None)
+    path = planner.cache_path(first.key)
+    cached = json.loads(path.read_text())
+    cached["trials"][0].update(edit)
+    path.write_text(json.dumps(cached))
+    lines = []
+    again = planner.plan(build_small_cnn(), x, y, batch_size=64, devices=1, log=lines.append)
+    assert lines[0] == (f"plan: the cached plan {path} holds figures no measurement gives (single: {figures}); "
+                        f"measuring again")
+    assert not again.cached and again.trials[0].images_per_second > 0
+    assert json.loads(path.read_text())["trials"][0]["images_per_second"] > 0  # the new measurement replaced it
+
+
+def test_a_plan_cache_that_cannot_be_written_is_said_and_the_plan_still_used(few_digits, tmp_path, monkeypatch):
+    """CNNPAR_CACHE naming a regular file: the plan is measured, said uncached in one line, and returned."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    monkeypatch.setenv("CNNPAR_CACHE", str(tmp_path / "a-file"))
+    lines = []
+    plan = planner.plan(build_small_cnn(), *few_digits, batch_size=64, devices=1, log=lines.append)
+    assert plan.trials[0].images_per_second > 0 and not plan.cached
+    assert lines[-1] == (f"plan: could not cache the plan in {planner.cache_path(plan.key)}: Not a directory; it "
+                         f"is used, not kept")
 
 
 def test_fit_with_auto_trains_the_plans_choice_and_logs_it(few_digits, tmp_path, monkeypatch):

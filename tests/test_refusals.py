@@ -80,12 +80,16 @@ def test_train_on_a_one_row_csv_under_mirrored_is_refused_in_one_line(small_csv,
 
 
 @pytest.mark.parametrize("option", ["--results", "--export"])
-@pytest.mark.parametrize("place", ["under a file", "in /proc"])
+@pytest.mark.parametrize("place", ["under a file", "in /proc", "through a loop of links"])
 def test_a_folder_that_cannot_be_written_is_refused_before_training(small_csv, tmp_path, option, place):
-    """A file where a folder must be, or /proc, where even root creates nothing (``os.access`` says yes)."""
+    """A file where a folder must be, /proc, where even root creates nothing (``os.access`` says yes), or a link
+    in a loop of links (which does not "exist", so its parent passed the probe and the run failed at its end)."""
     (tmp_path / "a-file").write_text("not a folder\n")
-    blocker, reason = (tmp_path / "a-file", "Not a directory") if place == "under a file" else \
-        (Path("/proc"), "No such file or directory")
+    (tmp_path / "loopA").symlink_to("loopB")
+    (tmp_path / "loopB").symlink_to("loopA")
+    blocker, reason = {"under a file": (tmp_path / "a-file", "Not a directory"),
+                       "in /proc": (Path("/proc"), "No such file or directory"),
+                       "through a loop of links": (tmp_path / "loopA", "Too many levels of symbolic links")}[place]
     target = blocker / "inside"
     results = target if option == "--results" else tmp_path / "results"
     result = run("train", "--data", small_csv, "--epochs", 1, "--results", results,
@@ -120,11 +124,26 @@ def test_every_command_probes_its_output_folder_before_any_work(command, option,
     ("steps_per_execution", "expected NAME=VALUE, NAME one of single's options (steps_per_execution, accumulate). "
                             "Received: --option steps_per_execution"),
     ("steps_per_execution=0", "steps_per_execution must be a positive int. Received: steps_per_execution=0"),
-    ("accumulate='two'", "accumulate must be a positive int. Received: accumulate='two'"),
+    ("steps_per_execution='two'", "steps_per_execution must be a positive int. Received: "
+                                  "steps_per_execution='two'"),
+    ("accumulate=2", "accumulate has a flag of its own: give it as --accumulate. Received: --option accumulate=2"),
 ])
 def test_an_option_of_the_strategys_constructor_reaches_it_and_a_bad_one_is_refused(pair, expected, tmp_path):
     result = run("train", "--strategy", "single", "--option", pair, "--results", tmp_path / "r")
     assert expected in one_line_refusal(result)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("pairs, expected", [
+    (["checkpoint_dir=X"], "checkpoint_dir has a flag of its own: give it as --checkpoint-dir. Received: --option "
+                           "checkpoint_dir=X"),  # no flag given: it said "set by its own flag already"
+    (["ema_momentum=0.9", "ema_momentum=0.5"], "ema_momentum is given twice; give it once. Received: --option "
+                                               "ema_momentum=0.9, --option ema_momentum=0.5"),
+])
+def test_an_option_with_a_flag_or_given_twice_is_refused_saying_so(pairs, expected, tmp_path):
+    options = [word for pair in pairs for word in ("--option", pair)]
+    result = run("train", "--strategy", "async-ps", *options, "--results", tmp_path / "r")
+    assert one_line_refusal(result) == f"Error: Invalid value for --option: {expected}"
     assert not (tmp_path / "r").exists()
 
 
@@ -402,6 +421,22 @@ def test_train_export_into_a_full_disk_exits_1_in_one_line_and_keeps_the_run_rec
     assert weights.is_file() and (results / row["epoch_csv"]).with_suffix("").with_suffix(".weights.h5").is_file()
 
 
+def test_an_export_interrupted_by_ctrl_c_says_that_the_run_is_kept_and_no_export_left(tmp_path, monkeypatch, capsys):
+    """`cnnpar train --export` stopped in its export: click's "Aborted!" alone left the run's fate unsaid."""
+    from keras_cnnpar import serving
+    from keras_cnnpar.cli.serving import export_model
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "export", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_model(None, tmp_path / "models", 1, force=False, recorded=(tmp_path / "results", "w.weights.h5"))
+    assert capsys.readouterr().err == (
+        f"Error: the run is recorded in {tmp_path / 'results'} (its weights: w.weights.h5); the export was "
+        f"interrupted: nothing of it was left in {tmp_path / 'models'}\n")
+
+
 @pytest.fixture(scope="module")
 def foreign_exports(tmp_path_factory):
     """SavedModels that are not `cnnpar export`'s, by folder name: damaged copies of a small one with its signature,
@@ -452,7 +487,7 @@ def test_predict_refuses_a_model_dir_that_is_not_an_export_in_one_line(foreign_e
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("case", ["cut short", "not HDF5", "another model kind", "named *.h5"])
+@pytest.mark.parametrize("case", ["cut short", "not HDF5", "another model kind", "named *.h5", "named by the user"])
 def test_export_refuses_weights_it_cannot_load_in_one_short_line(weights_3_3, tmp_path, case):
     """Keras's own: "Layer count mismatch ... found 0 saved layers", 41 lines, or 213 with the arrays dumped."""
     content, path, options = weights_3_3.read_bytes(), tmp_path / weights_3_3.name, []
@@ -469,6 +504,11 @@ def test_export_refuses_weights_it_cannot_load_in_one_short_line(weights_3_3, tm
         options = ["--model", "2+2"]
         expected = ("these weights are not the 2+2 model's (asked for: --model, or the file name); they are the 3+3 "
                     "model's: give --model 3+3. Received: model=2+2")
+    elif case == "named by the user":
+        path = tmp_path / "mymodel.weights.h5"
+        path.write_bytes(content)
+        expected = ("cannot tell the model from the file name (a run's weights start with its model's name); give "
+                    f"--model 2+2, 3+3 or resnet. Received: --weights {path}")
     else:
         path = tmp_path / weights_3_3.name.replace(".weights.h5", ".h5")
         path.write_bytes(content)

@@ -65,9 +65,13 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
                 experiments.record(results_dir, config, "already complete", 0.0)
                 continue
             started = time.perf_counter()
-            code, tail = experiments.run_config(config, epochs=epochs, batch_size=batch_size, source=source,
-                                                precision=precision,
-                                                results_dir=results_dir, timeout=timeout)
+            try:
+                code, tail = experiments.run_config(config, epochs=epochs, batch_size=batch_size, source=source,
+                                                    precision=precision, results_dir=results_dir, timeout=timeout)
+            except BaseException:  # Ctrl-C, SIGTERM: the configuration was killed with the sweep
+                experiments.record(results_dir, config, "interrupted", time.perf_counter() - started,
+                                   "the sweep was stopped; run it again to resume")
+                raise
             experiments.record(results_dir, config, "done" if code == 0 else f"failed ({code})",
                                time.perf_counter() - started, "" if code == 0 else tail)
             if code != 0:

@@ -14,6 +14,7 @@ from keras_cnnpar.cli.common import (
     refuse_an_input_as_output,
     refuse_to_overwrite,
 )
+from keras_cnnpar.results import runs
 
 
 @click.command("export")
@@ -31,6 +32,9 @@ def export_command(weights, model_kind, base_dir, version, force):
 
     Writes OUT/VERSION/saved_model.pb, variables/ and assets.extra/tf_serving_warmup_requests.
     """
+    if model_kind is None and runs.kind_of(weights) is None:
+        raise Refused(f"{weights}: cannot tell the model from the file name (a run's weights start with its model's "
+                      f"name); give --model {', '.join(MODELS[:-1])} or {MODELS[-1]}. Received: --weights {weights}")
     check_writable(base_dir, "--out")
     if not force:
         refuse_existing_version(base_dir, version)
@@ -90,6 +94,10 @@ def _existing_version(base_dir, version):
             f"`cnnpar export --version {version} --force`. Received: --version {version}")
 
 
+def _what_is_kept(recorded):
+    return f"the run is recorded in {recorded[0]} (its weights: {recorded[1]}); " if recorded else ""
+
+
 def export_model(model, base_dir, version, force, recorded=None):
     """Export ``model`` (:func:`serving.export`); a failure in one line. ``recorded``: ``(results folder, weights
     file)`` of the run that trained it (`cnnpar train --export`), which a failed export leaves as they are."""
@@ -100,7 +108,10 @@ def export_model(model, base_dir, version, force, recorded=None):
     except FileExistsError:  # created since the refusal before the work
         raise Refused(_existing_version(base_dir, version)) from None
     except (serving.ExportError, ValueError) as error:  # ValueError: weights that are not finite
-        done = f"the run is recorded in {recorded[0]} (its weights: {recorded[1]}); " if recorded else ""
-        raise click.ClickException(done + str(error)) from None
+        raise click.ClickException(_what_is_kept(recorded) + str(error)) from None
+    except KeyboardInterrupt:  # click prints "Aborted!" alone
+        click.echo(f"Error: {_what_is_kept(recorded)}the export was interrupted: nothing of it was left in "
+                   f"{base_dir}", err=True)
+        raise
     click.echo(f"exported {target} (signature serving_default: pixels [N, 784] -> probabilities, class; "
                f"verified in a fresh process)")

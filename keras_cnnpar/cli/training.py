@@ -149,7 +149,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         try:
             strategy = strategies.create(strategy_name, **options)
         except (TypeError, ValueError) as error:
-            raise click.BadParameter(str(error), param_hint="--strategy/--devices") from None
+            raise Refused(str(error)) from None  # the message names the option or variable
         except ConnectionError as error:
             raise click.ClickException(str(error)) from None
         if no_log and not user_checkpoint_dir and strategy.keeps_checkpoints:
@@ -297,23 +297,35 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
     return "\n".join(lines)
 
 
+#: The strategy options that ``cnnpar train`` sets through flags of their own, not through ``--option``.
+OPTION_FLAGS = {"devices": "--devices", "data": "--mesh", "model": "--mesh", "microbatches": "--microbatches",
+                "workers": "--workers", "ps": "--ps", "cluster": "--cluster", "coordinator": "--coordinator",
+                "resume": "--resume", "checkpoint_dir": "--checkpoint-dir", "timeout": "--collective-timeout",
+                "scale_lr": "--scale-lr", "accumulate": "--accumulate"}
+
+
 def _strategy_options(alias, pairs, given):
     """The constructor options of strategy ``alias``: ``given`` (the dedicated flags' values, None where unset)
     with each ``NAME=VALUE`` of ``pairs`` (``--option``) added, its value a Python literal, else text. A usage
-    error names a pair that is not NAME=VALUE of an option the strategy takes, or one a flag set already.
+    error names a pair that is not NAME=VALUE of an option the strategy takes, one that has a flag
+    (:data:`OPTION_FLAGS`), or one given twice.
 
     >>> _strategy_options("async-ps", ["warmup_steps=0", "ema_momentum=None"], {"workers": 2})
     {'workers': 2, 'warmup_steps': 0, 'ema_momentum': None}
     """
-    options, accepted = dict(given), registry.entry(alias).options
+    options, accepted, named = dict(given), registry.entry(alias).options, {}
     for pair in pairs:
         name, equals, text = pair.partition("=")
         if not equals or name not in accepted:
             raise click.BadParameter(f"expected NAME=VALUE, NAME one of {alias}'s options ({', '.join(accepted)}). "
                                      f"Received: --option {pair}", param_hint="--option")
-        if options.get(name) is not None:
-            raise click.BadParameter(f"{name} is set by its own flag already; give it once. Received: --option "
-                                     f"{pair}", param_hint="--option")
+        if name in OPTION_FLAGS:
+            raise click.BadParameter(f"{name} has a flag of its own: give it as {OPTION_FLAGS[name]}. Received: "
+                                     f"--option {pair}", param_hint="--option")
+        if name in named:
+            raise click.BadParameter(f"{name} is given twice; give it once. Received: --option {named[name]}, "
+                                     f"--option {pair}", param_hint="--option")
+        named[name] = pair
         try:
             options[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):

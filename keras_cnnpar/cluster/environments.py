@@ -123,8 +123,8 @@ class Slurm(ClusterEnvironment):
 
     ``srun`` sets ``SLURM_PROCID`` (this task's rank), ``SLURM_STEP_NODELIST``
     (the step's nodes, as ``node[01-04],gpu7``) and
-    ``SLURM_STEP_TASKS_PER_NODE`` (as ``2(x3),1``); ``SLURM_STEP_NUM_TASKS``,
-    where set, must agree. The tasks sit on the nodes in Slurm's order, as its
+    ``SLURM_STEP_TASKS_PER_NODE`` (as ``2(x3),1``); ``SLURM_STEP_NUM_TASKS`` and
+    ``SLURM_NTASKS``, where set, must agree. The tasks sit on the nodes in Slurm's order, as its
     default block distribution places them; a node's tasks listen on
     ``CNNPAR_SLURM_PORT`` (default 8888) and the next ports. On GPU nodes,
     :meth:`assign_devices` divides each node's GPUs evenly among its tasks.
@@ -192,11 +192,12 @@ class Slurm(ClusterEnvironment):
             raise ValueError(f"SLURM_STEP_TASKS_PER_NODE: expected a number of tasks for each of the {len(nodes)} "
                              f"nodes of SLURM_STEP_NODELIST. Received: SLURM_STEP_TASKS_PER_NODE={counts!r}, "
                              f"SLURM_STEP_NODELIST={listed!r}")
-        declared = _int(self.environ, "SLURM_STEP_NUM_TASKS", sum(tasks), low=1)
-        if declared != sum(tasks):
-            raise ValueError(f"SLURM_STEP_NUM_TASKS: the step's {sum(tasks)} tasks (SLURM_STEP_TASKS_PER_NODE) "
-                             f"disagree with it. Received: SLURM_STEP_NUM_TASKS={str(declared)!r}, "
-                             f"SLURM_STEP_TASKS_PER_NODE={counts!r}")
+        for variable in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):  # srun sets both to the step's tasks
+            declared = _int(self.environ, variable, sum(tasks), low=1)
+            if declared != sum(tasks):
+                raise ValueError(f"{variable}: the step's {sum(tasks)} tasks (SLURM_STEP_TASKS_PER_NODE) disagree "
+                                 f"with it. Received: {variable}={str(declared)!r}, "
+                                 f"SLURM_STEP_TASKS_PER_NODE={counts!r}")
         return list(zip(nodes, tasks))
 
     def _rank(self, tasks):

@@ -126,6 +126,21 @@ class Trial:
     error: str = ""
 
     @property
+    def impossible(self):
+        """What no measurement gives in a trial that ran (a hand-edited or damaged cache), or "".
+
+        >>> Trial("single", "single", 1, images_per_second=-5.0, speedup=1.0).impossible
+        'images_per_second -5.0'
+        """
+        if self.error:
+            return ""
+        bad = [] if 0 < self.images_per_second < math.inf else [f"images_per_second {self.images_per_second}"]
+        bad += [] if math.isnan(self.speedup) or 0 < self.speedup < math.inf else [f"speedup {self.speedup}"]
+        shares = {name: getattr(self, name) for name in ("compute", "communication", "input", "idle")}
+        bad += [f"{name} {share}" for name, share in shares.items() if not (math.isnan(share) or 0 <= share <= 1)]
+        return ", ".join(bad)
+
+    @property
     def eligible(self):
         """Whether ``auto`` may choose it: it trained and its first step is Single's."""
         return not self.error and self.parity == "pass"
@@ -182,11 +197,9 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
     devices = devices or len(device_lib.logical_names())
     key = _cache_key(model, devices, batch_size, precision)
     path = cache_path(key)
-    if cache and not fresh and candidates is None and path.exists():
-        try:
-            return Plan(key, [Trial(**t) for t in json.loads(path.read_text())["trials"]], cached=True)
-        except (ValueError, TypeError, KeyError) as error:  # written by another version, or damaged
-            log(f"plan: the cached plan {path} is unreadable ({type(error).__name__}: {error}); measuring again")
+    cached = _cached(key, path, log) if cache and not fresh and candidates is None else None
+    if cached:
+        return cached
     x, y = _trial_data(x, y, batch_size)
     with keras.saving.custom_object_scope(rebuild.custom_objects(model)):  # a plain function as the loss
         trials = _measure(model, _labelled(candidates, devices, batch_size), x, y, batch_size, precision, log)
@@ -194,9 +207,38 @@ def plan(model, x, y, *, batch_size=64, devices=None, precision="float32", candi
     trials.sort(key=lambda t: -t.images_per_second if not t.error else math.inf)
     result = Plan(key, trials)
     if cache and candidates is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"key": key, "trials": [dataclasses.asdict(t) for t in trials]}, indent=1))
+        _keep(result, path, log)
     return result
+
+
+def _cached(key, path, log):
+    """The plan cached at ``path``; None where there is none, or (said to ``log``) where it is unreadable or
+    holds a trial that no measurement gives: it is measured again."""
+    try:
+        trials = [Trial(**t) for t in json.loads(path.read_text())["trials"]]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as error:  # written by another version, damaged, or locked
+        log(f"plan: the cached plan {path} is unreadable ({type(error).__name__}: {error}); measuring again")
+        return None
+    impossible = next((t for t in trials if t.impossible), None)
+    if impossible:
+        log(f"plan: the cached plan {path} holds figures no measurement gives ({impossible.configuration}: "
+            f"{impossible.impossible}); measuring again")
+        return None
+    return Plan(key, trials, cached=True)
+
+
+def _keep(result, path, log):
+    """Cache ``result`` at ``path``, all or nothing; where the cache cannot be written, ``log`` says so and the
+    plan is used uncached."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"key": result.key, "trials": [dataclasses.asdict(t) for t in result.trials]},
+                                      indent=1))
+    except OSError as error:
+        log(f"plan: could not cache the plan in {path}: {os.strerror(error.errno) if error.errno else error}; "
+            f"it is used, not kept")
 
 
 def _measure(model, labelled, x, y, batch_size, precision, log):

@@ -21,8 +21,9 @@ from pathlib import Path
 def probe_folder(folder):
     """Check that this process can create files in ``folder`` by creating one (and removing it): in ``folder``, or
     where it does not exist yet, in its nearest existing parent. Raises ``NotADirectoryError`` where that is a
-    file, else the ``OSError`` that creating a file there raised, naming that folder (``os.access`` says yes to
-    root on a read-only mount or in ``/proc``, where nothing can be created).
+    file, ``os.stat``'s ``OSError`` where a link on the way leads nowhere (a loop of links, a missing target),
+    else the ``OSError`` that creating a file there raised, naming that folder (``os.access`` says yes to root on
+    a read-only mount or in ``/proc``, where nothing can be created).
 
     >>> import tempfile
     >>> folder = Path(tempfile.mkdtemp())
@@ -36,6 +37,8 @@ def probe_folder(folder):
     """
     existing = Path(os.path.abspath(folder))
     while not existing.exists():
+        if existing.is_symlink():
+            os.stat(existing)  # a link to nothing or a loop of links: mkdir would fail there once work was done
         existing = existing.parent
     if not existing.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))

@@ -1,7 +1,6 @@
 """Sync data parallel across processes or hosts: ``tf.distribute.MultiWorkerMirroredStrategy``."""
 
 import contextlib
-import faulthandler
 import itertools
 import json
 import re
@@ -14,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_cnnpar.cluster import environments, local_workers, network, traffic
+from keras_cnnpar.cluster import assembly, environments, local_workers, network, traffic
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
 from keras_cnnpar.strategies import arguments, base
@@ -419,26 +418,25 @@ def _join_cluster(task, timeout):
     """Start this task's gRPC server and join the cluster; return the ``MultiWorkerMirroredStrategy``.
 
     TensorFlow waits for every peer to register without a limit, inside a call
-    that holds the interpreter; ``faulthandler``'s watchdog, which needs no
-    Python thread, ends the process with its stack after ``timeout`` seconds.
+    that holds the interpreter; a watch (:func:`keras_cnnpar.cluster.assembly.watched`)
+    names the peers that never answered and ends the process after ``timeout`` seconds.
     """
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(task.cluster), task_type=task.type, task_id=task.index, rpc_layer="grpc")
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
-    print(f"{task.type} {task.index}: joining the cluster {task.cluster}; the process exits if it has not "
-          f"assembled within timeout={timeout} s", file=sys.stderr, flush=True)
-    faulthandler.dump_traceback_later(timeout, exit=True)
-    _coordinate(task, timeout)
-    try:
-        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"cannot join the cluster: {error}. TensorFlow joins a cluster only before its runtime starts: start "
-            f"the program with `cnnpar launch --workers N` (on several hosts: {cluster_lib.JOIN_AT_IMPORT}=1 "
-            f"beside TF_CONFIG), which joins when keras_cnnpar is imported, or create cnnpar.MultiWorker() before "
-            f"building any model or tensor.") from None
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    who = f"{task.type} {task.index}"
+    print(f"{who}: joining the cluster {task.cluster}; the process exits if it has not assembled within "
+          f"timeout={timeout} s", file=sys.stderr, flush=True)
+    with assembly.watched(who, task.cluster, timeout):
+        _coordinate(task, timeout)
+        try:
+            return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver, communication_options=options)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"cannot join the cluster: {error}. TensorFlow joins a cluster only before its runtime starts: start "
+                f"the program with `cnnpar launch --workers N` (on several hosts: {cluster_lib.JOIN_AT_IMPORT}=1 "
+                f"beside TF_CONFIG), which joins when keras_cnnpar is imported, or create cnnpar.MultiWorker() "
+                f"before building any model or tensor.") from None
 
 
 def heartbeat_timeout(timeout):
