@@ -104,15 +104,17 @@ def test_train_on_a_disk_that_fills_exits_1_in_one_line_and_the_folder_still_hol
         assert first.returncode == 0, first.stderr[-2000:]
         (recorded,) = read_rows(results / "runs.csv")
         weights = results / "cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.weights.h5"
-        before = weights.read_bytes()
+        view = weights.with_suffix("").with_suffix(".csv")  # the configuration's epoch CSV: the latest run's
+        before, view_before = weights.read_bytes(), view.read_bytes()
         second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
         assert second.returncode == 1, second.stderr[-2000:]  # not 139 (h5py's SIGSEGV)
         assert "Traceback" not in second.stderr
         assert second.stderr.splitlines()[-1] == (
             f"Error: the run trained, but its results could not be written into {results}: No space left on device; "
-            f"runs.csv and the weights still hold the runs before it, and results.log says this run failed. "
-            f"Received: OSError errno=28")
+            f"runs.csv, the weights and the configuration's epoch CSV still hold the runs before it, and results.log "
+            f"says this run failed. Received: OSError errno=28")
         assert read_rows(results / "runs.csv") == [recorded] and weights.read_bytes() == before
+        assert view.read_bytes() == view_before  # it described the failed run
         log = (results / "results.log").read_text().splitlines()
         assert [line.split()[1] for line in log if recorded["run_id"] not in line][-1] == "failed"
         assert [path.name for path in results.rglob("*") if ".partial" in path.name] == []

@@ -296,16 +296,16 @@ def test_a_disk_that_fills_while_the_weights_are_written_leaves_the_earlier_run_
             train(small_cnn(seed=1), results, epochs=1, save_weights=True)
         assert str(raised.value) == (
             f"the run trained, but its results could not be written into {results}: No space left on device; "
-            f"runs.csv and the weights still hold the runs before it, and results.log says this run failed. "
-            f"Received: OSError errno=28")
+            f"runs.csv, the weights and the configuration's epoch CSV still hold the runs before it, and "
+            f"results.log says this run failed. Received: OSError errno=28")
         assert read(results / "runs.csv") == [first] and weights.read_bytes() == before
         second = [line for line in (results / "results.log").read_text().splitlines()
                   if first["run_id"] not in line]
         assert [line.split()[1] for line in second] == ["start", "machine", "epoch", "failed"]
         assert second[-1].split(" ", 1)[1] == (
             f"failed model=small_cnn strategy=single: RunNotRecorded: the run trained, but its results could not be "
-            f"written into {results}: No space left on device; runs.csv and the weights still hold the runs before "
-            f"it [run {second[0].rsplit(' ', 1)[1]}")
+            f"written into {results}: No space left on device; runs.csv, the weights and the configuration's epoch "
+            f"CSV still hold the runs before it [run {second[0].rsplit(' ', 1)[1]}")
         assert [path.name for path in results.rglob("*") if ".partial" in path.name] == []
 
 

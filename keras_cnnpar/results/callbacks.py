@@ -83,10 +83,11 @@ class EpochLogger(keras.callbacks.Callback):
         self.path = Path(results_dir) / info.epoch_csv
         self.view = Path(results_dir) / info.view_csv
         self.rows = []
-        self._file = self._writer = self._temporary = None
+        self._file = self._writer = self._temporary = self._view_before = None
 
     def on_train_begin(self, logs=None):
         self.view.parent.mkdir(parents=True, exist_ok=True)
+        self._view_before = self.view.read_bytes() if self.view != self.path and self.view.exists() else None
         header, kept = _kept_epochs(self.view, self.info.initial_epoch)
         descriptor, self._temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial",
                                                        dir=self.view.parent)  # the run's folder comes with epoch 1
@@ -154,6 +155,16 @@ class EpochLogger(keras.callbacks.Callback):
             self._file.write(text.getvalue())
         self._writer = csv.DictWriter(self._file, columns, restval="")
 
+    def restore_view(self):
+        """Put back the configuration's CSV of the run before (none: remove it), for a run that trained but could
+        not be recorded: the CSV then describes the recorded run, as ``runs.csv`` and the weights do."""
+        if self.view == self.path:
+            return
+        if self._view_before is None:
+            self.view.unlink(missing_ok=True)
+        else:
+            write_atomic(self.view, self._view_before)
+
     def close(self):
         """Close the file. A new file that never completed an epoch goes and the previous one stays; after a
         failure later on, the rows of the completed epochs stay."""
@@ -191,8 +202,11 @@ class RunRecorder(keras.callbacks.Callback):
         self.save_weights = save_weights
         #: The run's row of ``runs.csv``, once training ended.
         self.row = None
+        self._runs_before = False
 
     def on_train_begin(self, logs=None):
+        recorded = self.results_dir / runs.RUNS_CSV
+        self._runs_before = recorded.exists() and recorded.read_bytes().count(b"\n") > 1  # a row below the header
         info = self.info
         self._log(f"start model={info.model} strategy={info.strategy} devices={info.devices} "
                   f"global_batch={info.global_batch} epochs={info.epochs} initial_epoch={info.initial_epoch} "
@@ -247,14 +261,20 @@ class RunRecorder(keras.callbacks.Callback):
 
     def _not_recorded(self, error):
         """The :class:`RunNotRecorded` of a failure to write the run's end (an ``OSError``, or the ``ValueError`` of
-        a ``runs.csv`` that cannot take the row), once the run is logged as failed."""
+        a ``runs.csv`` that cannot take the row), once the configuration's CSV is the run's before and the run is
+        logged as failed."""
+        try:
+            self.epochs.restore_view()
+            files = "runs.csv, the weights and the configuration's epoch CSV"
+        except OSError:
+            files = "runs.csv and the weights"
+        kept = f"{files} still hold the runs before it" if self._runs_before else "nothing of it was recorded"
         if isinstance(error, OSError):
             message = (f"the run trained, but its results could not be written into {self.results_dir}: "
-                       f"{_reason(error)}; runs.csv and the weights still hold the runs before it")
+                       f"{_reason(error)}; {kept}")
             received = f". Received: {type(error).__name__} errno={error.errno}"
         else:  # its message ends in what it received, and what to do
-            message = f"the run trained, but its row could not be recorded: {error}; runs.csv and the weights " \
-                      f"still hold the runs before it"
+            message = f"the run trained, but its row could not be recorded: {error}; {kept}"
             received = ""
         try:
             self.on_failure(RunNotRecorded(message))
