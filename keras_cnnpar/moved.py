@@ -84,6 +84,8 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install():
-    """Let the old paths import; once per process."""
+    """Let the old paths import; once per process. The finder goes first: Python's own would find
+    ``keras_cnnpar.sharded.layers`` in the moved package's folder and load a second copy of the module under
+    the old name (its classes then unlike the real ones)."""
     if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
-        sys.meta_path.append(_OldPaths())
+        sys.meta_path.insert(0, _OldPaths())
