@@ -15,7 +15,9 @@ the same run on hosts that share 2 cores has read 778 and 1,150 images/s), runs:
 - multi-worker on 2 hosts with ``compression="powersgd"`` of ``--powersgd-rank`` (its rank-r factors counted as
   the bytes a step, in two all-reduces);
 - local-steps on 2 and 3 hosts, and on 2 with ``compression="bfloat16"``, exchanging every ``--inner-steps``
-  steps and at each epoch's end (the exchanges an epoch has counted in the bytes a step).
+  steps and at each epoch's end (the exchanges an epoch has counted in the bytes a step);
+- multi-worker on 2 hosts with ``pack_bytes=--pack-bytes``: the all-reduce in packs, the last layers' first,
+  which may overlap the backward pass (predicted as plain multi-worker: without overlap).
 
 ``--only REGEX`` runs the configurations whose names it finds (Single always runs).
 
@@ -29,7 +31,7 @@ whole batch takes workers x Single's step). The table prints measured, predicted
 and measured over calibrated; the last line counts the calibrated predictions at shaped rates within 25%.
 
 Run: sudo python benchmarks/cluster_links.py [--rates 100mbit,1gbit,unshaped] [--models 2+2,3+3] [--epochs 3]
-[--repeats 3] [--only "2 hosts(, PowerSGD r=\d+)?$"] [--powersgd-rank 4] [--inner-steps 32]
+[--repeats 3] [--only "2 hosts(, PowerSGD r=\d+)?$"] [--powersgd-rank 4] [--inner-steps 32] [--pack-bytes 1000000]
 """
 
 import argparse
@@ -185,6 +187,7 @@ def main():
     parser.add_argument("--max-accumulate", type=int, default=5)
     parser.add_argument("--powersgd-rank", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=32, help="local steps' H")
+    parser.add_argument("--pack-bytes", type=int, default=1_000_000, help="multi-worker's packs, overlapped")
     parser.add_argument("--only", default="", help="a regular expression: run the configurations it finds")
     args = parser.parse_args()
     print(cnnpar.hardware.describe(), flush=True)
@@ -256,6 +259,10 @@ def measure_model(net, data, model, link, single_images, transport, args, folder
              "compression='powersgd'", f"powersgd_rank={rank}")),
          cnnpar.MultiWorker.host_step(2, 2 * step, link, compressed, all_reduces=2),
          traffic.ring_all_reduce(compressed, 2), steps),
+        (f"multi-worker, 2 hosts, packs of {args.pack_bytes / 1e6:g} MB", "multi-worker",
+         "mw2o", lambda where: multi_worker(net, data, model, args.epochs, where, 2, options=(
+             f"pack_bytes={args.pack_bytes}",)),
+         synced, traffic.ring_all_reduce(size, 2), steps),
     ]
     h = args.inner_steps
     exchanges = math.ceil(steps / args.epochs / h) * args.epochs  # and one at each epoch's end

@@ -86,6 +86,7 @@ MODES = {"step": (multi_worker(), one_step),
          "accumulate": (multi_worker(accumulate=2), lambda strategy, out: one_step(strategy, out, batch_size=32)),
          "residual": (multi_worker(), lambda strategy, out: one_step(strategy, out, builder="build_resnet_float64")),
          "shards": (multi_worker(), shards),
+         "packed": (multi_worker(pack_bytes=100_000), one_step),  # the dense kernel (295 kB) alone in its pack
          "local-step": (local_steps(inner_steps=1, outer="average"), one_step),
          "local-steps": (local_steps(inner_steps=3, outer_lr=0.7, outer_momentum=0.9),
                          lambda strategy, out: one_step(strategy, out, batch_size=16))}

@@ -62,7 +62,7 @@ def job(tmp_path_factory):
     """The outputs of one pair of worker processes that ran every mode of ``tests/multi_worker_job.py`` in turn:
     ``job(mode)`` is the prefix of that mode's files."""
     folder = tmp_path_factory.mktemp("job")
-    modes = "step,accumulate,residual,shards,local-step,local-steps"
+    modes = "step,accumulate,residual,shards,packed,local-step,local-steps"
     with processes([[sys.executable, str(JOB), modes, str(folder / "out")]] * 2, folder,
                    worker_envs()) as started:
         outputs = [p.communicate(timeout=300)[0] for p in started]
@@ -95,6 +95,13 @@ def worker_weights(out):
     """The weights each worker of a job's mode saved, chief first."""
     return [[arrays[f"arr_{i}"] for i in range(len(arrays.files))]
             for arrays in (np.load(f"{out}.{i}.npz") for i in (0, 1))]
+
+
+def test_the_all_reduce_in_packs_is_multi_workers_sgd_step(job):
+    """pack_bytes: the same sums, sent in packs, the last layers' first (their order turned back on arrival)."""
+    (chief, other), (plain, _) = worker_weights(job("packed")), worker_weights(job("step"))
+    assert_same_step(plain, chief, 1e-6, before=build_small_cnn(seed=1))
+    assert max_difference(chief, other) == 0.0
 
 
 def test_local_steps_with_one_inner_step_and_averaging_is_multi_workers_sgd_step(job):
@@ -389,6 +396,9 @@ def test_the_launcher_names_the_worker_that_ended_first_not_the_lowest_index():
 @pytest.mark.parametrize("kwargs, error, message", [
     ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds. Received: timeout=0"),
     ({"checkpoint_dir": 7}, TypeError, "checkpoint_dir must be a folder path or None. Received: checkpoint_dir=7"),
+    ({"pack_bytes": 0}, ValueError, "pack_bytes must be a positive int. Received: pack_bytes=0"),
+    ({"pack_bytes": 10**6, "compression": "powersgd"}, ValueError,
+     "pack_bytes is for compression=None or 'bfloat16'. Received: compression='powersgd', pack_bytes=1000000"),
     ({}, ValueError, "no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass cluster=<dict or JSON "
                      "file>, or start N workers on this machine with `cnnpar launch --workers N python "
                      "your_script.py` (or `cnnpar train --strategy multi-worker --workers N`). "

@@ -125,6 +125,24 @@ def compression(value, rank=None, all_reduce_dtype=None):
     return value, positive_int("powersgd_rank", POWERSGD_RANK if rank is None else rank)
 
 
+def pack_bytes(value, compression):
+    """The ``pack_bytes`` option: None, or a positive int of bytes; not with PowerSGD, whose factors are packed
+    by their two all-reduces.
+
+    >>> pack_bytes(None, None), pack_bytes(4_000_000, "bfloat16")
+    (None, 4000000)
+    >>> pack_bytes(4_000_000, "powersgd")
+    Traceback (most recent call last):
+    ValueError: pack_bytes is for compression=None or 'bfloat16'. Received: compression='powersgd', pack_bytes=4000000
+    """
+    if value is None:
+        return None
+    if compression == "powersgd":
+        raise ValueError(f"pack_bytes is for compression=None or 'bfloat16'. Received: compression={compression!r}, "
+                         f"pack_bytes={value!r}")
+    return positive_int("pack_bytes", value)
+
+
 def precision(value):
     """A ``precision`` option: one of :data:`PRECISION_CHOICES`."""
     if value not in PRECISION_CHOICES:

@@ -59,31 +59,40 @@ def check_rank(rank, variables):
                      f"below {math.ceil(n * m / (n + m))}. Received: powersgd_rank={rank}")
 
 
-def reducer(compression, variables=(), rank=POWERSGD_RANK, key=None):
+def reducer(compression, variables=(), rank=POWERSGD_RANK, key=None, pack_bytes=None):
     """The function ``summed(gradients_and_variables)`` that sums gradients over the replicas in sync as
     ``compression`` sends them: a list of ``(gradient, variable)`` pairs in, the same with each gradient summed.
     For PowerSGD, its state (``Q`` and the error feedback of each of ``variables`` it compresses, found again by
-    ``key(variable)``: the optimizer's ``_var_key``) is created here, so call it under the strategy's scope."""
+    ``key(variable)``: the optimizer's ``_var_key``) is created here, so call it under the strategy's scope.
+    ``pack_bytes``: see :func:`summed_whole`."""
     if compression == "powersgd":
         return PowerSGD(variables, rank, key=key).summed
     dtype = "bfloat16" if compression == "bfloat16" else None
 
     def summed(pairs):
-        gradients = summed_whole([g for g, _ in pairs], dtype)
+        gradients = summed_whole([g for g, _ in pairs], dtype, pack_bytes)
         return [(g, v) for g, (_, v) in zip(gradients, pairs)]
 
     return summed
 
 
-def summed_whole(gradients, dtype=None):
+def summed_whole(gradients, dtype=None, pack_bytes=None):
     """``gradients`` (None left as None) summed over the replicas in sync, sent in ``dtype`` where given; as they
-    are in the cross-replica context, where there is nothing to sum (as in Keras's own all-reduce)."""
+    are in the cross-replica context, where there is nothing to sum (as in Keras's own all-reduce).
+
+    ``pack_bytes``: all-reduces of packs of about that many bytes (TensorFlow's ``bytes_per_pack``), the last
+    layers' gradients first, as the backward pass gives them, so that a pack may cross the link while the
+    gradients of the layers before it are computed; None: one all-reduce of them all."""
     context = tf.distribute.get_replica_context()
     present = [g for g in gradients if g is not None]
     if context is None or not present:
         return gradients
     sent = [tf.cast(g, dtype) for g in present] if dtype else present
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
+    if pack_bytes:
+        options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=pack_bytes)
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent[::-1], options=options)[::-1]
+    else:
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, sent)
     summed = iter([tf.cast(s, g.dtype) for s, g in zip(summed, present)] if dtype else summed)
     return [None if g is None else next(summed) for g in gradients]
 

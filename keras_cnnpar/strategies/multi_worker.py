@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_cnnpar.cluster import assembly, environments, local_workers, network, traffic
 from keras_cnnpar.cluster import spec as cluster_lib
 from keras_cnnpar.cluster.joined import this_process
-from keras_cnnpar.strategies import arguments, base
+from keras_cnnpar.strategies import arguments, base, compression
 from keras_cnnpar.strategies.base import CheckpointedStrategy, PeerLost, register
 from keras_cnnpar.strategies.single import Single
 
@@ -95,6 +95,11 @@ class MultiWorker(CheckpointedStrategy):
             large gradients (docs/slow_links.md), as in :class:`DataParallel`.
             A resumed run starts PowerSGD's error feedback anew.
         powersgd_rank: PowerSGD's rank (default 4), with ``compression="powersgd"``.
+        pack_bytes: all-reduce the gradients in packs of about that many
+            bytes, the last layers' first, so that a pack can cross the link
+            while the backward pass computes the layers before it; None
+            (default): one all-reduce a step (docs/slow_links.md: the measured
+            overlap).
         all_reduce_dtype: the former spelling of ``compression="bfloat16"``
             (deprecated).
     """
@@ -130,11 +135,12 @@ class MultiWorker(CheckpointedStrategy):
 
     def __init__(self, cluster=None, *, checkpoint_dir="checkpoints", resume=False, timeout=60, scale_lr=None,
                  accumulate=1, sync_batchnorm=True, compression=None,
-                 powersgd_rank=None, all_reduce_dtype=None):
+                 powersgd_rank=None, pack_bytes=None, all_reduce_dtype=None):
         super().__init__(checkpoint_dir=checkpoint_dir, resume=resume, timeout=timeout, steps_per_execution=1,
                          accumulate=accumulate)
         self.sync_batchnorm = arguments.flag("sync_batchnorm", sync_batchnorm)
         self.compression, self.powersgd_rank = arguments.compression(compression, powersgd_rank, all_reduce_dtype)
+        self.pack_bytes = arguments.pack_bytes(pack_bytes, self.compression)
         self.task = cluster_lib.Task.parse(cluster) if cluster is not None else environment_task()
         self.is_chief = self.task.is_chief
         self.scale_lr = arguments.scale_lr(scale_lr)
@@ -142,6 +148,11 @@ class MultiWorker(CheckpointedStrategy):
         # One function for every call (a plan gathers a few figures at a time): traced once per length of them.
         self._rows_summed = tf.function(self._replica_rows_summed, reduce_retracing=True)
         self._first_replicas_summed = tf.function(self._first_replica_sum, reduce_retracing=True)
+
+    def _gradient_sum(self, model):
+        if self.pack_bytes is None:
+            return super()._gradient_sum(model)
+        return compression.reducer(self.compression, pack_bytes=self.pack_bytes)
 
     @property
     def devices(self):
