@@ -194,11 +194,15 @@ def test_a_mesh_is_read_as_data_by_model():
 
 
 @pytest.mark.slow
-def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_path):
+@pytest.mark.parametrize("strategy", [[], ["--strategy", "async-ps", "--workers", "2"]], ids=["single", "async-ps"])
+def test_train_starts_quietly_and_says_which_devices_it_uses(kaggle_dir, tmp_path, strategy):
+    """async-ps: its servers and coordinator inherited the level the command set, read it as the user's, and
+    printed TensorFlow's 7 start-up lines."""
     small = kaggle_head(kaggle_dir / "train.csv", 160, tmp_path / "small.csv")
     env = {key: value for key, value in ENV.items() if key != "TF_CPP_MIN_LOG_LEVEL"}
-    result = subprocess.run(cnnpar_command("train", "--epochs", "1", "--data", small, "--no-log", "--verbose", "0"),
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cnnpar_command("train", *strategy, "--epochs", "1", "--data", small, "--no-log",
+                                           "--verbose", "0"), cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line[:5] in ("E0000", "I0000", "W0000")] == []
     assert "All log messages before absl::InitializeLog" not in result.stderr

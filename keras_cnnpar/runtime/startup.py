@@ -106,6 +106,11 @@ def is_chatter(line):
     return bool(_CHATTER.match(line))
 
 
+#: Set beside ``TF_CPP_MIN_LOG_LEVEL`` where :func:`quiet_start` set it, not the user: the processes the library
+#: starts inherit it, and filter the chatter as their parent did.
+_LEVEL_OURS = "CNNPAR_QUIET_LOG_LEVEL"
+
+
 def quiet_start(keras=True):
     """Import TensorFlow, with :func:`keras_extras_skipped`, and list its devices without start-up chatter (unless
     ``TF_CPP_MIN_LOG_LEVEL`` is set): a process of the library's own, or the command line's.
@@ -118,8 +123,9 @@ def quiet_start(keras=True):
         return
     if not keras:
         sys.modules.setdefault("keras", None)  # TensorFlow imports Keras inside try/except ImportError
-    chatter_shown = "TF_CPP_MIN_LOG_LEVEL" in os.environ
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # later info and warning lines, once logging is set up
+    chatter_shown = "TF_CPP_MIN_LOG_LEVEL" in os.environ and os.environ.get(_LEVEL_OURS) != "1"
+    if "TF_CPP_MIN_LOG_LEVEL" not in os.environ:  # later info and warning lines, once logging is set up
+        os.environ.update({"TF_CPP_MIN_LOG_LEVEL": "2", _LEVEL_OURS: "1"})  # our processes inherit both
     with keras_extras_skipped(), contextlib.nullcontext() if chatter_shown else _standard_error_filtered():
         import tensorflow as tf
 
