@@ -4,9 +4,9 @@ TensorFlow waits for every peer of a cluster to register without a limit,
 inside a call that holds the interpreter: no Python thread of the waiting
 process runs, and it ignores SIGTERM. So the watch is a small process of its
 own (:func:`watched`): unless the waiting process tells it that it is done
-within the timeout, it prints which peers accept no connection at their address, and
-``faulthandler``'s timer, which needs no Python thread, then exits the waiting
-process with code 1 (its stack goes nowhere).
+within the timeout, it prints which peers accept no connection at their
+address, and ``faulthandler``'s timer, which needs no Python thread, then
+exits the waiting process with code 1 (its stack goes nowhere).
 
 >>> peers_line("worker 0", {"worker": ["localhost:2222", "localhost:2223"]}, ["worker:1"], 5.0)  # doctest: +ELLIPSIS
 'Error: worker 0: the cluster did not assemble within timeout=5.0 s: worker 1 (localhost:2223) never answered; ...'
@@ -17,6 +17,7 @@ import faulthandler
 import json
 import os
 import select
+import subprocess
 import sys
 import time
 
@@ -33,8 +34,6 @@ def watched(who, cluster, timeout):
     """Run the body, a wait for ``cluster`` (job name -> addresses) to assemble, under a watch: past ``timeout``
     seconds, one line on standard error names the peers that never answered, and this process exits with code 1.
     ``who``: this task, as the line names it (``"worker 0"``)."""
-    import subprocess
-
     deadline = time.monotonic() + timeout  # one clock for both processes: the watch may take seconds to start
     env = {name: value for name, value in os.environ.items() if name != JOIN_AT_IMPORT}  # the watch joins nothing
     command = python_command("-m", __name__, who, json.dumps(cluster), str(timeout), repr(deadline))
@@ -45,8 +44,9 @@ def watched(who, cluster, timeout):
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
-            watch.stdin.write(b"done")  # assembled, or failed otherwise: the watch ends quietly
-            watch.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # the watch ended already: its line is out
+                watch.stdin.write(b"done")  # assembled, or failed otherwise: the watch ends quietly
+                watch.stdin.close()
             watch.wait()
 
 

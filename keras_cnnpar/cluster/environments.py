@@ -124,8 +124,8 @@ class Slurm(ClusterEnvironment):
     ``srun`` sets ``SLURM_PROCID`` (this task's rank), ``SLURM_STEP_NODELIST``
     (the step's nodes, as ``node[01-04],gpu7``) and
     ``SLURM_STEP_TASKS_PER_NODE`` (as ``2(x3),1``); ``SLURM_STEP_NUM_TASKS`` and
-    ``SLURM_NTASKS``, where set, must agree. The tasks sit on the nodes in Slurm's order, as its
-    default block distribution places them; a node's tasks listen on
+    ``SLURM_NTASKS``, where set, must agree. The tasks sit on the nodes in
+    Slurm's order, as its default block distribution places them; a node's tasks listen on
     ``CNNPAR_SLURM_PORT`` (default 8888) and the next ports. On GPU nodes,
     :meth:`assign_devices` divides each node's GPUs evenly among its tasks.
     This is what TensorFlow's ``SlurmClusterResolver`` built, except that the
