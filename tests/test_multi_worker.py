@@ -416,6 +416,9 @@ def test_the_launcher_names_the_worker_that_ended_first_not_the_lowest_index():
        ValueError, f"TF_CONFIG: task worker:1 needs a 'host:port' address with a host and a port in 1..65535. "
                    f"Received: worker[1]={address!r}") for address in ("localhost:0", "localhost:65536", ":2222",
                                                                       "localhost:\uff12\uff12")),
+    ({"cluster": {"cluster": {"worker": ["[::1]:2222"]}, "task": {"type": "worker", "index": 0}}}, ValueError,
+     "TF_CONFIG: task worker:0 has an IPv6 address, which keras_cnnpar does not reach yet; give an IPv4 address or "
+     "a host name. Received: worker[0]='[::1]:2222'"),
     ({"cluster": {"cluster": {"chief": ["10.0.0.1:2222"], "worker": ["10.0.0.1:2222"]},
                   "task": {"type": "worker", "index": 0}}}, ValueError,
      "TF_CONFIG: tasks chief:0 and worker:0 have the same address; every task needs its own. "

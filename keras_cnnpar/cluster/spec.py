@@ -152,7 +152,8 @@ def _validated(config, source):
 
 def _check_addresses(cluster, source):
     """Refuse, before any connection, a job without addresses, or an address that no server could have:
-    no host, a port outside 1..65535 or not in ASCII digits, the same address for two tasks."""
+    no host, a port outside 1..65535 or not in ASCII digits, the same address for two tasks; and an IPv6
+    address, which the probes and routes here do not reach (they said "Name or service not known")."""
     seen = {}
     for job, addresses in cluster.items():
         if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
@@ -160,6 +161,10 @@ def _check_addresses(cluster, source):
                              f"Received: {job}={addresses!r}")
         for index, address in enumerate(addresses):
             host, _, port = address.rpartition(":")
+            if ":" in host:
+                raise ValueError(f"{source}: task {job}:{index} has an IPv6 address, which keras_cnnpar does not "
+                                 f"reach yet; give an IPv4 address or a host name. "
+                                 f"Received: {job}[{index}]={address!r}")
             if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
                 raise ValueError(f"{source}: task {job}:{index} needs a 'host:port' address with a host and a port "
                                  f"in 1..65535. Received: {job}[{index}]={address!r}")
