@@ -88,7 +88,8 @@ def test_a_folder_that_cannot_be_written_is_refused_before_training(small_csv, t
     (tmp_path / "loopA").symlink_to("loopB")
     (tmp_path / "loopB").symlink_to("loopA")
     blocker, reason = {"under a file": (tmp_path / "a-file", "Not a directory"),
-                       "in /proc": (Path("/proc"), "No such file or directory"),
+                       "in /proc": (Path("/proc"), "No such file or directory (a folder where no file can be "
+                                                   "created)"),
                        "through a loop of links": (tmp_path / "loopA", "Too many levels of symbolic links")}[place]
     target = blocker / "inside"
     results = target if option == "--results" else tmp_path / "results"
@@ -113,7 +114,8 @@ def test_every_command_probes_its_output_folder_before_any_work(command, option,
     target = "/proc/cnnpar/out.csv" if command[0] == "predict" else "/proc/cnnpar"
     folder = os.path.dirname(target) if command[0] == "predict" else target
     result = run(*command, option, target)
-    assert f"cannot write into {folder}: /proc: No such file or directory; nothing was done. Received: {option} " \
+    assert f"cannot write into {folder}: /proc: No such file or directory (a folder where no file can be created); " \
+           f"nothing was done. Received: {option} " \
            f"{target}" in one_line_refusal(result)
     assert list(tmp_path.iterdir()) == []
 

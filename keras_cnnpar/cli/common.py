@@ -1,6 +1,7 @@
 """What the ``cnnpar`` commands share: the option types, the one-line refusals, and the checks of the places a
 command writes into, made before it starts any work."""
 
+import errno
 import os
 
 import click
@@ -63,7 +64,10 @@ def check_writable(folder, option, value=None):
         atomic.probe_folder(folder)
     except OSError as error:
         where = error.filename or folder
-        raise Refused(f"cannot write into {folder}: {where}: {os.strerror(error.errno)}; nothing was done. "
+        reason = os.strerror(error.errno)
+        if error.errno == errno.ENOENT and os.path.isdir(where):  # /proc's answer
+            reason += " (a folder where no file can be created)"
+        raise Refused(f"cannot write into {folder}: {where}: {reason}; nothing was done. "
                       f"Received: {option} {value or folder}") from None
 
 

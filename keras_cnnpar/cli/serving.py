@@ -32,12 +32,12 @@ def export_command(weights, model_kind, base_dir, version, force):
 
     Writes OUT/VERSION/saved_model.pb, variables/ and assets.extra/tf_serving_warmup_requests.
     """
-    if model_kind is None and runs.kind_of(weights) is None:
-        raise Refused(f"{weights}: cannot tell the model from the file name (a run's weights start with its model's "
-                      f"name); give --model {', '.join(MODELS[:-1])} or {MODELS[-1]}. Received: --weights {weights}")
     check_writable(base_dir, "--out")
     if not force:
         refuse_existing_version(base_dir, version)
+    if model_kind is None and runs.kind_of(weights) is None:
+        raise Refused(f"{weights}: cannot tell the model from the file name (a run's weights start with its model's "
+                      f"name); give --model {', '.join(MODELS[:-1])} or {MODELS[-1]}. Received: --weights {weights}")
     quiet_tensorflow()
     from keras_cnnpar import serving
 
