@@ -162,10 +162,11 @@ def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, sm
         wait_for_epoch_rows(epoch_csv, 1, sweep)  # the configuration trains
         training = descendants(sweep.pid)
         os.kill(sweep.pid, sig)
-        sweep.wait(timeout=60)
+        output = sweep.communicate(timeout=60)[0]  # read while it ends: a full pipe would hold it
         left = still_alive_after(training)
     assert training and left == [], f"{left} outlived the sweep"
     if sig == signal.SIGINT:  # sweep.csv says which configuration the stop ended, so a reader sees no silent gap
+        assert "Aborted!" in output, output
         [row] = read(tmp_path / "results" / "sweep.csv")
         assert (row["strategy"], row["status"], row["detail"]) == (
             "single", "interrupted", "the sweep was stopped; run it again to resume")

@@ -16,6 +16,7 @@ single on 2 devices: single runs on 1 device
 hybrid on 2 devices: hybrid needs a multiple of 2 devices, at least 4
 """
 
+import contextlib
 import csv
 import dataclasses
 import functools
@@ -101,14 +102,21 @@ def run_config(config, *, epochs, batch_size, source, results_dir, timeout=1800,
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        _end(process)
         return -1, f"timed out after {timeout} s"
     except BaseException:  # interrupted: the configuration goes with the sweep
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        _end(process)
         raise
     return process.returncode, "\n".join(output.strip().splitlines()[-5:])
+
+
+def _end(process):
+    """Kill ``process``'s group and reap it; its output is not waited for (a process outside the group may still
+    hold the pipe)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.stdout.close()
+    process.wait()
 
 
 def record(results_dir, config, status, seconds, detail=""):
