@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -157,6 +158,10 @@ def test_report_flags_a_failed_parity_check(tmp_path):
 def test_an_interrupted_sweep_ends_the_configuration_it_was_running(tmp_path, small_csv, sig):
     command = cnnpar_command("sweep", "--models", "2+2", "--strategies", "single", "--devices", "1", "--epochs",
                              "2", "--data", str(small_csv), "--results", str(tmp_path / "results"))
+    # As a terminal's foreground process has it, SIGINT at its default: a suite started in the background by a
+    # non-interactive shell ignores SIGINT, its processes inherit that, and the sweep would rightly ignore Ctrl-C.
+    command = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execv(sys.argv[1], sys.argv[1:])", *command]
     with processes([command], tmp_path, [held(tmp_path / "hold", 1)]) as (sweep,):  # it waits after epoch 1
         epoch_csv = tmp_path / "results" / "cnn2d_2layer_fullconnected_2layer_keras_tensorflow_single_1dev.csv"
         wait_for_epoch_rows(epoch_csv, 1, sweep)  # the configuration trains
