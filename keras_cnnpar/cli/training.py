@@ -297,18 +297,16 @@ def _summary(model, model_kind, digits, train_part, val_part, strategy, batch_si
     return "\n".join(lines)
 
 
-#: The strategy options that ``cnnpar train`` sets through flags of their own, not through ``--option``.
-OPTION_FLAGS = {"devices": "--devices", "data": "--mesh", "model": "--mesh", "microbatches": "--microbatches",
-                "workers": "--workers", "ps": "--ps", "cluster": "--cluster", "coordinator": "--coordinator",
-                "resume": "--resume", "checkpoint_dir": "--checkpoint-dir", "timeout": "--collective-timeout",
-                "scale_lr": "--scale-lr", "accumulate": "--accumulate"}
+#: The options whose ``cnnpar train`` flag is not ``--`` and the option's name (``checkpoint_dir``:
+#: ``--checkpoint-dir``).
+FLAGS_NAMED_OTHERWISE = {"data": "--mesh", "model": "--mesh", "timeout": "--collective-timeout"}
 
 
 def _strategy_options(alias, pairs, given):
-    """The constructor options of strategy ``alias``: ``given`` (the dedicated flags' values, None where unset)
-    with each ``NAME=VALUE`` of ``pairs`` (``--option``) added, its value a Python literal, else text. A usage
-    error names a pair that is not NAME=VALUE of an option the strategy takes, one that has a flag
-    (:data:`OPTION_FLAGS`), or one given twice.
+    """The constructor options of strategy ``alias``: ``given`` (the options that have flags of their own, with
+    the flags' values, None where unset) with each ``NAME=VALUE`` of ``pairs`` (``--option``) added, its value a
+    Python literal, else text. A usage error names a pair that is not NAME=VALUE of an option the strategy takes,
+    one that has a flag (a name in ``given``), or one given twice.
 
     >>> _strategy_options("async-ps", ["warmup_steps=0", "ema_momentum=None"], {"workers": 2})
     {'workers': 2, 'warmup_steps': 0, 'ema_momentum': None}
@@ -319,8 +317,9 @@ def _strategy_options(alias, pairs, given):
         if not equals or name not in accepted:
             raise click.BadParameter(f"expected NAME=VALUE, NAME one of {alias}'s options ({', '.join(accepted)}). "
                                      f"Received: --option {pair}", param_hint="--option")
-        if name in OPTION_FLAGS:
-            raise click.BadParameter(f"{name} has a flag of its own: give it as {OPTION_FLAGS[name]}. Received: "
+        if name in given:
+            flag = FLAGS_NAMED_OTHERWISE.get(name, "--" + name.replace("_", "-"))
+            raise click.BadParameter(f"{name} has a flag of its own: give it as {flag}. Received: "
                                      f"--option {pair}", param_hint="--option")
         if name in named:
             raise click.BadParameter(f"{name} is given twice; give it once. Received: --option {named[name]}, "
