@@ -63,6 +63,35 @@ def test_powersgd_error_feedback_keeps_what_the_approximation_left_out_on_each_r
     assert np.abs(errors[0] - errors[1]).max() > 0.1  # each replica keeps its own
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_a_checkpoint_of_powersgd_restores_q_and_the_replicas_summed_error_on_as_many_replicas_or_more(
+        replicas, tmp_path):
+    """Saved after a step on 2 replicas, restored on 2 (a resume) or 3 (an elastic resume): every replica holds
+    the saved ``Q``, and the replicas' errors sum to the saved replicas' sum, the only error the next all-reduce
+    sees; each holds its share of it."""
+    with cnnpar.DataParallel(2).scope():
+        kernel = tf.Variable(tf.zeros([40, 12]), name="kernel")
+        saved = compression.PowerSGD([kernel], rank=1)
+    summed_on_two_replicas(saved, [kernel], replica_gradients([kernel], seed=1))
+    (error,), (q,) = saved.error.values(), saved.q.values()
+    local = cnnpar.DataParallel(2)._tf_strategy().experimental_local_results
+    errors, factor = [e.numpy() for e in local(error)], local(q)[0].numpy()
+    assert np.abs(errors[0] - errors[1]).max() > 0.1  # the replicas' errors differ: a sum to keep
+    path = tf.train.Checkpoint(powersgd=saved.checkpointed()).write(str(tmp_path / "ckpt"))
+
+    strategy = cnnpar.DataParallel(replicas)
+    with strategy.scope():
+        restored = compression.PowerSGD([tf.Variable(tf.zeros([40, 12]), name="kernel")], rank=1, seed=7)
+    tf.train.Checkpoint(powersgd=restored.checkpointed()).read(path).assert_consumed()
+    (error,), (q,) = restored.error.values(), restored.q.values()
+    local = strategy._tf_strategy().experimental_local_results
+    shares = [e.numpy() for e in local(error)]
+    np.testing.assert_allclose(sum(shares), errors[0] + errors[1], atol=1e-5)
+    np.testing.assert_allclose(shares[0], (errors[0] + errors[1]) / replicas, atol=1e-6)
+    for each in local(q):
+        np.testing.assert_array_equal(each.numpy(), factor)
+
+
 def test_powersgd_trains_a_step_near_single_and_says_how_it_differs(batch):
     single = one_sgd_step(build_small_cnn(seed=1), "single", batch)
     compressed = one_sgd_step(build_small_cnn(seed=1), cnnpar.DataParallel(2, compression="powersgd",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from click.testing import CliRunner
 
 import keras_cnnpar as cnnpar
@@ -194,14 +195,17 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes).
     The launcher gets SIGHUP (a closed terminal), which it passes on as SIGTERM, as it does SIGTERM and
     SIGINT (one handler for the three); worker 1 gets SIGTERM itself. The workers wait after epoch 1
-    (``held``) until the signal reaches them, so 3 epochs are still to come when it does, on any machine."""
+    (``held``) until the signal reaches them, so 3 epochs are still to come when it does, on any machine.
+    The worker 1 variant compresses by PowerSGD: its checkpoint holds the error feedback (summed over the
+    workers; tests/test_compression.py shares it out again) and ``Q``."""
     results = tmp_path / "results"
     # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
     another_run = folder / "workertemp_1" / "another_run"  # where TensorFlow would put a worker's temporary copy
     another_run.mkdir(parents=True)
     command = cnnpar_train("--workers", "2", "--epochs", "4", "--data", str(small_csv), "--results", "results",
-                           *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
+                           *([] if target == "launcher" else ["--checkpoint-dir", str(folder),
+                                                              "--option", "compression=powersgd"]))
     hold = tmp_path / "hold"
     with processes([command], tmp_path, [held(hold, 1)]) as (launcher,):
         wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; the workers wait after it
@@ -220,6 +224,9 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     checkpoint = folder / CHECKPOINT
     assert (checkpoint / "preemption" / "checkpoint").exists() and (checkpoint / "run.json").exists()
     assert sorted(os.listdir(checkpoint)) == ["preemption", "run.json"]  # worker 1's temporary copy is gone
+    powersgd = sorted(name.split("/")[-4] for name, _ in tf.train.list_variables(str(checkpoint / "preemption"))
+                      if "/powersgd/" in name)
+    assert powersgd == ([] if target == "launcher" else ["errors"] * 4 + ["factors"] * 4)  # the 2+2 kernels
     assert another_run.is_dir()  # and no other run's folder went with it
     another_run.parent.rename(tmp_path / "kept")
     done = epoch_column(results / f"{RUN}.csv")

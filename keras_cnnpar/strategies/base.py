@@ -367,8 +367,10 @@ class Strategy(metaclass=_Configuration):
                              f"Received: {clipping[0]}={getattr(optimizer, clipping[0])}")
         compression.check_rank(self.powersgd_rank, model.trainable_variables)
         with self.scope():
-            return compression.reducer("powersgd", model.trainable_variables, self.powersgd_rank,
-                                       key=optimizer._var_key)
+            powersgd = compression.PowerSGD(model.trainable_variables, self.powersgd_rank, key=optimizer._var_key)
+        # Its state is the optimizer's, as the optimizer's slots are: a checkpoint of the optimizer holds it.
+        optimizer._track_trackable(powersgd.checkpointed(), "powersgd")
+        return powersgd.summed
 
     def _refuse_what_fails_under_tf_distribute(self, optimizer):
         """Refuse the optimizer's settings that Keras runs in a ``cond`` around a ``merge_call``, which fails under

@@ -59,14 +59,11 @@ def check_rank(rank, variables):
                      f"below {math.ceil(n * m / (n + m))}. Received: powersgd_rank={rank}")
 
 
-def reducer(compression, variables=(), rank=POWERSGD_RANK, key=None, pack_bytes=None):
-    """The function ``summed(gradients_and_variables)`` that sums gradients over the replicas in sync as
-    ``compression`` sends them: a list of ``(gradient, variable)`` pairs in, the same with each gradient summed.
-    For PowerSGD, its state (``Q`` and the error feedback of each of ``variables`` it compresses, found again by
-    ``key(variable)``: the optimizer's ``_var_key``) is created here, so call it under the strategy's scope.
-    ``pack_bytes``: see :func:`summed_whole`."""
-    if compression == "powersgd":
-        return PowerSGD(variables, rank, key=key).summed
+def reducer(compression=None, pack_bytes=None):
+    """The function ``summed(gradients_and_variables)`` that sums gradients over the replicas in sync, whole,
+    in bfloat16 where ``compression`` is ``"bfloat16"`` (PowerSGD's is :meth:`PowerSGD.summed`): a list of
+    ``(gradient, variable)`` pairs in, the same with each gradient summed. ``pack_bytes``: see
+    :func:`summed_whole`."""
     dtype = "bfloat16" if compression == "bfloat16" else None
 
     def summed(pairs):
@@ -102,6 +99,13 @@ class PowerSGD:
     variable; default ``id``), ``Q`` (warm-started, the same on every replica) and this replica's error feedback,
     kept in variables that every replica holds its own copy of (``ON_READ``).
 
+    :meth:`checkpointed` is what a checkpoint keeps of it. The error
+    feedback is saved summed over the replicas, and a restore gives each
+    replica the sum divided by their number (TensorFlow's rule for ``SUM``
+    variables): since the next all-reduce only sees the replicas' errors
+    through their sum, a resume continues the same training, on as many
+    workers or on another number.
+
     Example (two replicas on logical CPUs; at a matrix's full rank the sum is exact):
 
     >>> import keras_cnnpar as cnnpar
@@ -131,7 +135,13 @@ class PowerSGD:
             # Orthonormal columns: P = M Q then keeps M's conditioning (a Gaussian Q's would cost float32 digits).
             q = np.linalg.qr(generator.standard_normal((matrix[1], rank)))[0].astype(np.float32)
             self.q[self.key(variable)] = _replica_local(q, "powersgd_q")
-            self.error[self.key(variable)] = _replica_local(np.zeros(matrix, np.float32), "powersgd_error")
+            self.error[self.key(variable)] = _replica_local(np.zeros(matrix, np.float32), "powersgd_error",
+                                                            tf.VariableAggregation.SUM)
+
+    def checkpointed(self):
+        """The trackable that a checkpoint saves and restores: every ``Q`` and error feedback, in the order of
+        the variables given (a model's trainable variables: the same order in every process)."""
+        return tf.train.Checkpoint(factors=list(self.q.values()), errors=list(self.error.values()))
 
     def summed(self, pairs):
         """``pairs`` of ``(gradient, variable)`` with each gradient summed over the replicas in sync."""
@@ -159,7 +169,8 @@ class PowerSGD:
         return [(summed.get(i), variable) for i, (_, variable) in enumerate(pairs)]
 
 
-def _replica_local(initial, name):
-    """A variable of which every replica keeps and writes its own copy (read as the first replica's outside)."""
+def _replica_local(initial, name, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA):
+    """A variable of which every replica keeps and writes its own copy, read outside the replicas as
+    ``aggregation`` says (by default the first replica's)."""
     return tf.Variable(initial, trainable=False, name=name, synchronization=tf.VariableSynchronization.ON_READ,
-                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                       aggregation=aggregation)

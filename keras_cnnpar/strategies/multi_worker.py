@@ -92,8 +92,8 @@ class MultiWorker(CheckpointedStrategy):
             batch of all workers (default True), as in :class:`DataParallel`.
         compression: ``"bfloat16"`` halves the bytes each step sends between
             hosts, ``"powersgd"`` sends rank ``powersgd_rank`` factors of the
-            large gradients (docs/slow_links.md), as in :class:`DataParallel`.
-            A resumed run starts PowerSGD's error feedback anew.
+            large gradients (docs/slow_links.md), as in :class:`DataParallel`;
+            the preemption checkpoint keeps PowerSGD's error feedback.
         powersgd_rank: PowerSGD's rank (default 4), with ``compression="powersgd"``.
         pack_bytes: all-reduce the gradients in packs of about that many
             bytes, the last layers' first, so that a pack can cross the link
