@@ -77,12 +77,14 @@ def test_a_checkpoint_of_powersgd_restores_q_and_the_replicas_summed_error_on_as
     local = cnnpar.DataParallel(2)._tf_strategy().experimental_local_results
     errors, factor = [e.numpy() for e in local(error)], local(q)[0].numpy()
     assert np.abs(errors[0] - errors[1]).max() > 0.1  # the replicas' errors differ: a sum to keep
-    path = tf.train.Checkpoint(powersgd=saved.checkpointed()).write(str(tmp_path / "ckpt"))
+    saved.kept_by(holder := tf.Module())  # as an optimizer keeps it
+    path = tf.train.Checkpoint(optimizer=holder).write(str(tmp_path / "ckpt"))
 
     strategy = cnnpar.DataParallel(replicas)
     with strategy.scope():
         restored = compression.PowerSGD([tf.Variable(tf.zeros([40, 12]), name="kernel")], rank=1, seed=7)
-    tf.train.Checkpoint(powersgd=restored.checkpointed()).read(path).assert_consumed()
+    restored.kept_by(holder := tf.Module())
+    tf.train.Checkpoint(optimizer=holder).read(path).assert_consumed()
     (error,), (q,) = restored.error.values(), restored.q.values()
     local = strategy._tf_strategy().experimental_local_results
     shares = [e.numpy() for e in local(error)]

@@ -190,25 +190,35 @@ def test_local_steps_workers_train_to_the_floor_exchanging_twice_an_epoch_and_on
            "momentum 0.5" in result.stdout
 
 
-@pytest.mark.parametrize("target", ["launcher", "worker 1"])
-def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target):
-    """Preempted on 2 workers; the launcher variant resumes on 1 worker, the other one on 3 (elastic resumes).
+@pytest.mark.parametrize("target, strategy, options, state", [
+    ("launcher", "multi-worker", [], []),
+    # The 2+2's 4 kernels compressed: Q and the error feedback (summed over the workers, tests/test_compression.py)
+    ("worker 1", "multi-worker", ["--option", "compression=powersgd"],
+     ["powersgd/errors"] * 4 + ["powersgd/factors"] * 4),
+    # Its 8 variables' weights at the last exchange and outer momentum (tests/test_local_steps.py restores them);
+    # 2 steps a call into TensorFlow (with its default, 8, an epoch's 5 steps are one call, and the checkpoint
+    # came after epoch 2).
+    ("worker 1", "local-steps", ["--option", "inner_steps=2"], ["outer/anchors"] * 8 + ["outer/momenta"] * 8),
+], ids=["launcher", "worker 1", "worker 1 local-steps"])
+def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target,
+                                                                                       strategy, options, state):
+    """Preempted on 2 workers; the launcher variant resumes on 1 worker, the others on 3 (elastic resumes).
     The launcher gets SIGHUP (a closed terminal), which it passes on as SIGTERM, as it does SIGTERM and
     SIGINT (one handler for the three); worker 1 gets SIGTERM itself. The workers wait after epoch 1
     (``held``) until the signal reaches them, so 3 epochs are still to come when it does, on any machine.
-    The worker 1 variant compresses by PowerSGD: its checkpoint holds the error feedback (summed over the
-    workers; tests/test_compression.py shares it out again) and ``Q``."""
-    results = tmp_path / "results"
-    # The launcher variant keeps its checkpoints where they go by default; the other one names a folder.
+    The checkpoint holds the ``state`` of PowerSGD and of local steps' outer optimizer beside the optimizer's."""
+    results, run, saved_run = tmp_path / "results", RUN.replace("multi-worker", strategy), \
+        CHECKPOINT.replace("multi-worker", strategy)
+    # The launcher variant keeps its checkpoints where they go by default; the others name a folder.
     folder = results / "checkpoints" if target == "launcher" else tmp_path / "elsewhere"
     another_run = folder / "workertemp_1" / "another_run"  # where TensorFlow would put a worker's temporary copy
     another_run.mkdir(parents=True)
-    command = cnnpar_train("--workers", "2", "--epochs", "4", "--data", str(small_csv), "--results", "results",
-                           *([] if target == "launcher" else ["--checkpoint-dir", str(folder),
-                                                              "--option", "compression=powersgd"]))
+    command = cnnpar_command("train", "--strategy", strategy, "--verbose", "2", "--workers", "2", "--epochs", "4",
+                             "--data", str(small_csv), "--results", "results", *options,
+                             *([] if target == "launcher" else ["--checkpoint-dir", str(folder)]))
     hold = tmp_path / "hold"
     with processes([command], tmp_path, [held(hold, 1)]) as (launcher,):
-        wait_for_epoch_rows(results / f"{RUN}.csv", 1, launcher)  # epoch 1 is done; the workers wait after it
+        wait_for_epoch_rows(results / f"{run}.csv", 1, launcher)  # epoch 1 is done; the workers wait after it
         # Only the workers import TensorFlow: the launcher and its supervisor wait on them (it cost 5 CPU-s a run).
         worker_pids = {worker_pid(launcher, 0), worker_pid(launcher, 1)}
         assert {pid for pid in [launcher.pid, *descendants(launcher.pid)] if loads_tensorflow(pid)} == worker_pids
@@ -221,15 +231,16 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert re.search(r"Error: worker [01] was preempted: it saved a checkpoint and stopped; rerun with --resume "
                      r"to continue", output)
-    checkpoint = folder / CHECKPOINT
+    checkpoint = folder / saved_run
     assert (checkpoint / "preemption" / "checkpoint").exists() and (checkpoint / "run.json").exists()
     assert sorted(os.listdir(checkpoint)) == ["preemption", "run.json"]  # worker 1's temporary copy is gone
-    powersgd = sorted(name.split("/")[-4] for name, _ in tf.train.list_variables(str(checkpoint / "preemption"))
-                      if "/powersgd/" in name)
-    assert powersgd == ([] if target == "launcher" else ["errors"] * 4 + ["factors"] * 4)  # the 2+2 kernels
+    saved = tf.train.load_checkpoint(str(checkpoint / "preemption"))
+    kept = sorted(name for name in saved.get_variable_to_shape_map() if re.search("/(powersgd|outer)/", name))
+    assert [re.search(r"(\w+/\w+)/\d+/\.ATTRIBUTES", name)[1] for name in kept] == state
+    assert all(np.abs(saved.get_tensor(name)).max() > 0 for name in kept)  # trained state, not fresh zeros
     assert another_run.is_dir()  # and no other run's folder went with it
     another_run.parent.rename(tmp_path / "kept")
-    done = epoch_column(results / f"{RUN}.csv")
+    done = epoch_column(results / f"{run}.csv")
     assert done == [1]  # preempted in epoch 2: the run waited after epoch 1 until the signal came
 
     workers = "1" if target == "launcher" else "3"
@@ -237,9 +248,9 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     result = subprocess.run([*resume, "--resume"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    shown = f"results/checkpoints/{CHECKPOINT}" if target == "launcher" else str(checkpoint)
+    shown = f"results/checkpoints/{saved_run}" if target == "launcher" else str(checkpoint)
     # The resumed run has an epoch CSV of its own configuration's, from the epoch after the checkpoint's.
-    assert epoch_column(results / f"{RUN.replace('_2dev', f'_{workers}dev')}.csv") == list(range(done[-1] + 1, 5))
+    assert epoch_column(results / f"{run.replace('_2dev', f'_{workers}dev')}.csv") == list(range(done[-1] + 1, 5))
     assert f"layout resumed from {shown} after epoch {done[-1]}; changed since: devices 2 (checkpoint) vs " \
            f"{workers} (this run); the global batch 64 is divided among the {workers} replicas now" in \
            (results / "results.log").read_text()

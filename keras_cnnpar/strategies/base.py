@@ -368,8 +368,7 @@ class Strategy(metaclass=_Configuration):
         compression.check_rank(self.powersgd_rank, model.trainable_variables)
         with self.scope():
             powersgd = compression.PowerSGD(model.trainable_variables, self.powersgd_rank, key=optimizer._var_key)
-        # Its state is the optimizer's, as the optimizer's slots are: a checkpoint of the optimizer holds it.
-        optimizer._track_trackable(powersgd.checkpointed(), "powersgd")
+        powersgd.kept_by(optimizer)  # its state is the optimizer's, as the slots are: the checkpoints hold it
         return powersgd.summed
 
     def _refuse_what_fails_under_tf_distribute(self, optimizer):

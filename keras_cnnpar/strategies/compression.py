@@ -99,7 +99,7 @@ class PowerSGD:
     variable; default ``id``), ``Q`` (warm-started, the same on every replica) and this replica's error feedback,
     kept in variables that every replica holds its own copy of (``ON_READ``).
 
-    :meth:`checkpointed` is what a checkpoint keeps of it. The error
+    :meth:`kept_by` makes an optimizer's checkpoints keep it. The error
     feedback is saved summed over the replicas, and a restore gives each
     replica the sum divided by their number (TensorFlow's rule for ``SUM``
     variables): since the next all-reduce only sees the replicas' errors
@@ -138,10 +138,11 @@ class PowerSGD:
             self.error[self.key(variable)] = _replica_local(np.zeros(matrix, np.float32), "powersgd_error",
                                                             tf.VariableAggregation.SUM)
 
-    def checkpointed(self):
-        """The trackable that a checkpoint saves and restores: every ``Q`` and error feedback, in the order of
-        the variables given (a model's trainable variables: the same order in every process)."""
-        return tf.train.Checkpoint(factors=list(self.q.values()), errors=list(self.error.values()))
+    def kept_by(self, optimizer):
+        """Make ``optimizer``'s checkpoints hold every ``Q`` and error feedback (in the order of the variables
+        given: a model's trainable variables, the same in every process) as they hold its slots."""
+        optimizer._track_trackable(tf.train.Checkpoint(factors=list(self.q.values()),
+                                                       errors=list(self.error.values())), "powersgd")
 
     def summed(self, pairs):
         """``pairs`` of ``(gradient, variable)`` with each gradient summed over the replicas in sync."""

@@ -47,7 +47,9 @@ class LocalSteps(MultiWorker):
     sends the weights' bytes once per ``inner_steps`` steps instead of the
     gradient's every step. With ``inner_steps=1``, ``outer="average"`` and SGD
     the step is MultiWorker's. The epoch CSV's ``exchanges`` column counts an
-    epoch's exchanges. A resumed run starts the outer momentum anew.
+    epoch's exchanges. The preemption checkpoint keeps the outer momentum and
+    the weights of the last exchange; a resume starts every worker from the
+    chief's weights.
 
     Start it as :class:`MultiWorker`: ``cnnpar launch --workers N -- python
     script.py``, or ``cnnpar train --strategy local-steps --workers N``.
@@ -189,6 +191,7 @@ class LocalStepsRun(MultiWorkerRun):
         self.start_from_the_chiefs_state()
         exchange = Exchange(strategy._tf_strategy(), self.model, strategy.inner_steps, strategy.outer_lr,
                             strategy.outer_momentum, strategy.compression)
+        exchange.kept_by(self.model.optimizer)  # the checkpoint holds the outer state; a resume restores it here
         return super().fit(train, callbacks=[exchange, *callbacks], **fit_kwargs)
 
     def start_from_the_chiefs_state(self):
@@ -230,6 +233,12 @@ class Exchange(keras.callbacks.Callback):
         self.momenta = [tf.Variable(tf.zeros(w.shape, w.dtype), trainable=False) for w in self.weights]
         self.steps = self.exchanged_at = self.count = 0  # this epoch's steps, at the last exchange, exchanges
         self._exchange = tf.function(self._exchange_now)
+
+    def kept_by(self, optimizer):
+        """Make ``optimizer``'s checkpoints hold the weights of the last exchange and the outer momentum (the
+        same on every worker) as they hold its slots; where a checkpoint was restored into it, they take its
+        values now (TensorFlow restores what is tracked after the restore)."""
+        optimizer._track_trackable(tf.train.Checkpoint(anchors=self.anchors, momenta=self.momenta), "outer")
 
     def exchange(self):
         """Exchange now, unless no step was taken since the last exchange."""
