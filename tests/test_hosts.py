@@ -92,8 +92,9 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
 def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
     """``cnnpar plan`` on each of two hosts joined at 150 Mbit/s (a TF_CONFIG on each): the link as the all-reduces
     saw it is at most the shaped rate; the chief prints single, multi-worker, multi-worker accumulating the
-    advised K and async-ps (a worker on each host, its parameter server beside the chief's; its servers gone
-    after the plan), fastest first, each beside its prediction (multi-worker's from the link alone bounds it, but
+    advised K, multi-worker in bfloat16 and with PowerSGD (each saying what it changes in the training) and
+    async-ps (a worker on each host, its parameter server beside the chief's; its servers gone after the plan),
+    fastest first, each beside its prediction (multi-worker's from the link alone bounds it, but
     for the noise of timing the step apart from the run: at most 25% above it, the benchmark's tolerance; one CI
     run, under the suite's load on 2 cores, measured 454 images/s against 431 predicted);
     accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
@@ -120,7 +121,12 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     single = next(float(row["images_per_second"]) for row in rows if row["configuration"] == "single, 1 host")
     assert each_host and float(each_host[1]) == pytest.approx(single, abs=0.5), printed
     assert sorted(row["configuration"].split(", K=")[0] for row in rows) == [
-        "async-ps, 2 workers + ps", "multi-worker, 2 hosts", "multi-worker, 2 hosts", "single, 1 host"]
+        "async-ps, 2 workers + ps", "multi-worker, 2 hosts", "multi-worker, 2 hosts", "multi-worker, 2 hosts, bfloat16",
+        "multi-worker, 2 hosts, powersgd r=4", "single, 1 host"]
+    advice = {row["configuration"]: row["advice"] for row in rows}  # what each changes in the training
+    assert advice["multi-worker, 2 hosts, bfloat16"] == scaling.BFLOAT16_CHANGES
+    assert advice["multi-worker, 2 hosts, powersgd r=4"] == \
+        f"compression='powersgd': {scaling.POWERSGD_CHANGES.format(rank=4)}"
     asynchronous = next(row for row in rows if row["configuration"].startswith("async-ps"))
     assert float(asynchronous["images_per_second"]) > 0 and float(asynchronous["predicted_images_per_second"]) > 0
     synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")

@@ -1,5 +1,5 @@
-"""``cnnpar plan`` on a cluster: single, multi-worker, multi-worker with accumulation and async-ps measured on the
-hosts themselves, each beside its prediction, ranked by what was measured.
+"""``cnnpar plan`` on a cluster: single, multi-worker, multi-worker with accumulation or compressed gradients and
+async-ps measured on the hosts themselves, each beside its prediction, ranked by what was measured.
 
 Run it on every host as any MultiWorker job runs: ``cnnpar launch --workers N
 -- cnnpar plan`` on one machine, ``srun cnnpar plan`` under Slurm, or with
@@ -20,7 +20,10 @@ takes part in every measurement; only the chief prints the table and writes
 4. MultiWorker accumulating the ``K`` batches per all-reduce that the
    calibrated prediction says bring communication under 20% of the step
    (:func:`scaling.accumulation_for`), beside that prediction;
-5. AsyncPS with a worker on every host and its parameter server beside the
+5. MultiWorker sending its gradients in bfloat16, then as PowerSGD's
+   factors (``compression``), each beside its calibrated prediction from the
+   bytes it sends, each saying what it changes in the training;
+6. AsyncPS with a worker on every host and its parameter server beside the
    chief's worker, each a TensorFlow server that its host runs for the trial,
    beside its prediction from the link alone (``AsyncPS.host_step``).
 
@@ -47,6 +50,7 @@ import sys
 from keras_cnnpar import strategies
 from keras_cnnpar.cluster import network, servers, traffic
 from keras_cnnpar.plan import figures, planner, scaling
+from keras_cnnpar.strategies import arguments, compression
 
 #: Repeats of each timed all-reduce of :func:`measure_link`; the median counts.
 LINK_REPEATS = 5
@@ -93,8 +97,8 @@ class ClusterPlan:
     def table(self):
         lines = [f"{self.model} on {self.hosts} hosts; the link as TensorFlow's all-reduce sees it: {self.link}; "
                  f"one host's step {self.step_seconds * 1e3:.1f} ms",
-                 f"{'configuration':30s} {'images/s':>8s} {'predicted':>9s} {'comm':>5s}  advice"]
-        lines += [f"{r.configuration:30s} {r.images_per_second:8.0f} {r.predicted_images_per_second:9.0f} "
+                 f"{'configuration':36s} {'images/s':>8s} {'predicted':>9s} {'comm':>5s}  advice"]
+        lines += [f"{r.configuration:36s} {r.images_per_second:8.0f} {r.predicted_images_per_second:9.0f} "
                   f"{r.communication_share:5.0%}  {r.advice}" for r in self.rows]
         lines.append(f"TensorFlow's transport added {self.transport_seconds * 1e3:.0f} ms a step to multi-worker "
                      f"beyond the link's bytes and latency (the predictions after it include it)")
@@ -144,8 +148,8 @@ def measure_link(strategy, payload_bytes, seconds=0.25, repeats=LINK_REPEATS):
 def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", advice_trials=True, log=print):
     """Measure ``model`` on the cluster of ``strategy`` (a :class:`strategies.MultiWorker`, joined) on every
     host: the :class:`ClusterPlan` (see the module's docstring); ``advice_trials=False`` leaves out the trials of
-    multi-worker accumulating and of async-ps, which ``auto`` does not choose (the advice stays). Every host must
-    call it alike."""
+    multi-worker accumulating or compressing and of async-ps, which ``auto`` does not choose (the advice stays).
+    Every host must call it alike."""
     number = next(_plans)
     hosts = strategy.task.num_workers
     size = scaling.gradient_bytes(model)
@@ -176,6 +180,7 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", adv
                         accumulated.communication_share, f"an update of {k * batch_size} images: weigh the learning "
                                                          f"rate (scale_lr) and the accuracy"))
     if advice_trials:
+        rows += _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, precision, log)
         log(f"plan: trying async-ps with a worker on each of the {hosts} hosts")
         rows += _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log)
     rows.sort(key=lambda row: -row.images_per_second)
@@ -199,6 +204,33 @@ def choose(model, x, y, strategy, *, batch_size=64, precision="float32", log=pri
     chosen = strategies.MultiWorker() if best.configuration == _synced_name(result.hosts) else \
         strategies.SingleOnChief(strategy)
     return chosen, result
+
+
+def _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, precision, log):
+    """MultiWorker on the hosts of ``strategy`` sending its gradients in bfloat16, then as PowerSGD's factors
+    of the default rank: a row each, beside the prediction from the bytes it sends (PowerSGD's in two
+    all-reduces) with multi-worker's ``transport``, saying what it changes in the training. A configuration that
+    the model refuses (PowerSGD with clipping, or with nothing to compress) is left out, and the log says why."""
+    hosts, rank = strategy.task.num_workers, arguments.POWERSGD_RANK
+    floats = compression.sent_floats([v.shape for v in model.trainable_variables], rank)
+    trials = [("bfloat16", {"compression": "bfloat16"}, scaling.gradient_bytes(model) / 2, 1,
+               scaling.BFLOAT16_CHANGES),
+              (f"powersgd r={rank}", {"compression": "powersgd", "powersgd_rank": rank}, 4 * floats, 2,
+               f"compression='powersgd': {scaling.POWERSGD_CHANGES.format(rank=rank)}")]
+    rows = []
+    for label, options, sent, all_reduces, changes in trials:
+        log(f"plan: trying multi-worker on {hosts} hosts, its gradients in {label}")
+        try:  # a refusal comes before the first all-reduce, alike on every host
+            (measured,) = strategy.from_chief([planner.trial_images_per_second(
+                model, strategy.replace(**options), x, y, batch_size=batch_size, precision=precision)])
+        except ValueError as error:
+            log(f"plan: multi-worker with its gradients in {label} is left out: {error}")
+            continue
+        predicted = strategies.MultiWorker.host_step(hosts, step, link, sent, all_reduces=all_reduces)
+        predicted = predicted.with_transport(transport)
+        rows.append(Row(f"{_synced_name(hosts)}, {label}", measured, predicted.images_per_second(batch_size),
+                        predicted.communication_share, changes))
+    return rows
 
 
 def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log):

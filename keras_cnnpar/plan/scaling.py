@@ -62,6 +62,9 @@ MAX_ACCUMULATE = 16
 #: The most inner steps the plan advises between two exchanges of local steps: their accuracy was measured up to
 #: 64 (docs/slow_links.md); more trains further from Single.
 MAX_INNER_STEPS = 64
+#: What bfloat16 gradients change in the training, said beside their row.
+BFLOAT16_CHANGES = ("each part of the gradient and their sum rounded to 8 significant bits: Single's training "
+                    "within rounding (docs/slow_links.md: no measurable accuracy cost)")
 #: What PowerSGD changes in the training, said beside its row (docs/slow_links.md has the measured accuracy).
 POWERSGD_CHANGES = ("each large gradient summed as rank-{rank} factors with error feedback, an approximation of "
                     "Single's update (docs/slow_links.md: its measured accuracy)")
