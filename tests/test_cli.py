@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import click
+import keras
 import pytest
 from click.testing import CliRunner
 
@@ -129,7 +130,8 @@ def test_missing_data_file_exits_2(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "ring"], "'ring' is not one of " + ", ".join(f"'{name}'" for name in registry.names())),
     (["--strategy", "single", "--devices", "2"], "strategy 'single' takes no devices. Received: devices=2"),
-    (["--model", "4+4"], "'4+4' is not one of '2+2', '3+3'"),
+    (["--model", "4+4"], "expected 2+2, 3+3, resnet, a .keras file or package.module:function. Received: "
+                         "--model 4+4"),
     (["--microbatches", "4"], "strategy 'single' takes no microbatches. Received: microbatches=4"),
 ])
 def test_bad_options_exit_2_with_the_reason(tmp_path, args, message):
@@ -329,3 +331,52 @@ def test_launch_refuses_a_tf_config_already_set_naming_it_before_any_worker_star
                            "TF_CONFIG's cluster with CNNPAR_MULTI_WORKER=1. Received: TF_CONFIG="), line
     assert tf_config[:40] in line
     assert not (tmp_path / "ran").exists()
+
+
+def small_cnn_for(input_shape, num_classes=10, compiled=True):
+    """A small Keras model of its own (not the zoo's), as a user saves one."""
+    model = keras.Sequential([keras.Input(input_shape), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(num_classes, activation="softmax")],
+                             name="users_cnn")
+    if compiled:
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("source", ["file", "function"])
+def test_train_takes_a_users_keras_file_or_function_and_logs_the_run_under_its_name(source, small_csv, tmp_path):
+    if source == "file":
+        small_cnn_for((28, 28, 1)).save(given := str(tmp_path / "mine.keras"))
+        name = "users_cnn"
+    else:
+        given, name = "tests.helpers:build_small_cnn", "small_cnn"
+    result = run("train", "--model", given, "--epochs", "1", "--data", small_csv, "--results", tmp_path / "results",
+                 "--verbose", "0")
+    assert result.exit_code == 0, result.output
+    assert f"  model         {name} ({given}, " in result.output
+    (row,) = read_rows(tmp_path / "results" / "runs.csv")
+    assert row["model"] == name and 0 <= float(row["val_accuracy"]) <= 1
+
+
+@pytest.mark.parametrize("model, message", [
+    ("missing.keras", "Invalid value for '--model': {tmp}/missing.keras: no such file. Received: --model "
+                      "{tmp}/missing.keras"),
+    ("not_a_model.keras", "{tmp}/not_a_model.keras: Keras could not load it as a model ("),
+    ("rgb.keras", "{tmp}/rgb.keras takes inputs of shape (32, 32, 3), the data's are (28, 28, 1); give data of its "
+                  "shape or a model of the data's. Received: --model {tmp}/rgb.keras"),
+    ("five.keras", "{tmp}/five.keras gives 5 outputs, the data has 10 classes. Received: --model {tmp}/five.keras"),
+    ("uncompiled.keras", "{tmp}/uncompiled.keras gives a model that was not compiled; compile it (optimizer, loss, "
+                         "metrics) before saving or returning it."),
+    ("os:getcwd", "os:getcwd must return a compiled keras.Model; it returned a str."),
+    ("json:dumps", "json:dumps raised TypeError: dumps() missing 1 required positional argument: 'obj'."),
+    ("no.such.module:build", "no.such.module:build: ModuleNotFoundError: No module named 'no'."),
+])
+def test_a_users_model_that_does_not_fit_is_refused_in_one_line_before_training(model, message, small_csv, tmp_path):
+    (tmp_path / "not_a_model.keras").write_text("a text file")
+    small_cnn_for((32, 32, 3)).save(tmp_path / "rgb.keras")
+    small_cnn_for((28, 28, 1), num_classes=5).save(tmp_path / "five.keras")
+    small_cnn_for((28, 28, 1), compiled=False).save(tmp_path / "uncompiled.keras")
+    given = str(tmp_path / model) if model.endswith(".keras") else model
+    result = run("train", "--model", given, "--epochs", "1", "--data", small_csv, "--results", tmp_path / "results")
+    assert one_line_refusal(result).startswith("Error: " + message.format(tmp=tmp_path))
+    assert not (tmp_path / "results").exists()

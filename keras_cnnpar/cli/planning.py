@@ -7,10 +7,12 @@ import click
 
 from keras_cnnpar.cli.common import (
     FORCE,
-    MODELS,
+    MODEL_OPTION_HELP,
     PRECISION,
     Refused,
     check_writable,
+    model_from_source,
+    model_source,
     not_written,
     quiet_tensorflow,
     refuse_to_overwrite,
@@ -20,7 +22,8 @@ from keras_cnnpar.runtime import atomic
 
 
 @click.command("plan")
-@click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True)
+@click.option("--model", "model_kind", metavar="MODEL", default="2+2", show_default=True, callback=model_source,
+              help=MODEL_OPTION_HELP)
 @click.option("--devices", type=click.IntRange(min=1), default=2, show_default=True,
               help="Devices to plan for; logical CPU devices are created when the machine has fewer accelerators.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Global batch.")
@@ -82,7 +85,6 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     from keras_cnnpar.runtime import devices as device_lib
     from keras_cnnpar.runtime import hardware
     from keras_cnnpar.zoo import data as data_lib
-    from keras_cnnpar.zoo import models
 
     click.echo(device_lib.describe(device_lib.configure(
         cluster_strategy.local_devices if on_cluster else 1 if hosts else devices)))
@@ -91,7 +93,7 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     except data_lib.DataError as error:
         raise click.BadParameter(str(error), param_hint="--data") from None
     keras.utils.set_random_seed(0)
-    model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    model = model_from_source(model_kind, digits)
     if hosts:
         _plan_hosts(model, model_kind, digits, batch_size, hosts, cluster_link, step_seconds, measured, out_dir)
         return

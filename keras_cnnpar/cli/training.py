@@ -8,13 +8,15 @@ import time
 import click
 
 from keras_cnnpar.cli.common import (
-    MODELS,
+    MODEL_OPTION_HELP,
     PRECISION,
     SEED,
     Refused,
     RegisteredStrategy,
     check_worker_count,
     check_writable,
+    model_from_source,
+    model_source,
     quiet_tensorflow,
 )
 from keras_cnnpar.cli.serving import export_model, refuse_existing_version
@@ -25,9 +27,8 @@ from keras_cnnpar.strategies import registry
 
 
 @click.command()
-@click.option("--model", "model_kind", type=click.Choice(MODELS), default="2+2", show_default=True,
-              help="2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers; resnet: a residual CNN with "
-                   "BatchNormalization (functional).")
+@click.option("--model", "model_kind", metavar="MODEL", default="2+2", show_default=True, callback=model_source,
+              help=MODEL_OPTION_HELP)
 @click.option("--strategy", "strategy_name", type=RegisteredStrategy("auto"), default="single",
               show_default=True,
               help="; ".join(f"{e.alias}: {e.description}" for e in registry.entries(plugins=False))
@@ -131,7 +132,6 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
     from keras_cnnpar.results.callbacks import RunNotRecorded
     from keras_cnnpar.runtime import devices as device_lib
     from keras_cnnpar.zoo import data as data_lib
-    from keras_cnnpar.zoo import models
 
     user_checkpoint_dir = checkpoint_dir is not None
     if checkpoint_dir is None and strategies.accepts(strategy_name, "checkpoint_dir"):
@@ -167,7 +167,7 @@ def train(model_kind, strategy_name, devices, mesh, microbatches, workers, ps, c
         raise click.BadParameter(str(error), param_hint="--data") from None
     train_part, val_part = data_lib.split(digits, validation_fraction=validation_fraction, seed=seed)
     keras.utils.set_random_seed(seed)
-    model = models.cnn(model_kind, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    model = model_from_source(model_kind, digits)
     started = time.perf_counter()
     validation = (val_part.x, val_part.y) if len(val_part) else None
     try:

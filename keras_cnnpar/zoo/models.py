@@ -11,10 +11,12 @@ Example:
 ...                     strategy="single", results_dir=None, verbose=0)
 """
 
+import importlib
+
 import keras
 from keras import layers
 
-from keras_cnnpar.zoo.names import MODEL_NAMES
+from keras_cnnpar.zoo.names import MODEL_NAMES, check_model_source
 
 #: The model kinds :func:`cnn` builds.
 KINDS = tuple(MODEL_NAMES)
@@ -32,6 +34,69 @@ def cnn(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
     from keras_cnnpar.api import parallel  # the one use of training: the `fit` hook
 
     return parallel(build(kind, input_shape=input_shape, num_classes=num_classes))
+
+
+def from_source(source, *, input_shape=(28, 28, 1), num_classes=10):
+    """The compiled model that ``source`` names, its ``fit`` accepting ``strategy=``: a zoo kind (:func:`cnn`), a
+    ``.keras`` file that ``keras.saving.load_model`` reads (its custom objects registered), or
+    ``package.module:function``, a function that takes no arguments and returns a compiled Keras model. It must
+    take images of ``input_shape`` and give ``num_classes`` outputs; a ``ValueError`` says in one line what does
+    not fit.
+
+    >>> from_source("3+3").name
+    'cnn2d_3layer_fullconnected_3layer'
+    >>> from_source("keras_cnnpar.zoo.models:build", input_shape=(32, 32, 3))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: keras_cnnpar.zoo.models:build takes inputs of shape (28, 28, 1), the data's are (32, 32, 3); ...
+    """
+    from keras_cnnpar.api import parallel
+
+    check_model_source(source)
+    if source in MODEL_NAMES:
+        return cnn(source, input_shape=input_shape, num_classes=num_classes)
+    model = _loaded(source) if source.endswith(".keras") else _built(source)
+    _check_fits(model, source, tuple(input_shape), num_classes)
+    return parallel(model)
+
+
+def _loaded(path):
+    try:
+        return keras.saving.load_model(path)
+    except Exception as error:  # Keras raises many kinds for a file it cannot read
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: Keras could not load it as a model ({first}); a model with custom layers needs "
+                         f"them registered (keras.saving.register_keras_serializable) in a module, then give "
+                         f"--model module:function. Received: --model {path}") from None
+
+
+def _built(source):
+    module_name, _, function_name = source.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{source}: {type(error).__name__}: {error}. Received: --model {source}") from None
+    try:
+        model = function()
+    except Exception as error:  # the user's code: any kind
+        raise ValueError(f"{source} raised {type(error).__name__}: {error}. Received: --model {source}") from None
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"{source} must return a compiled keras.Model; it returned a {type(model).__name__}. "
+                         f"Received: --model {source}")
+    return model
+
+
+def _check_fits(model, source, input_shape, num_classes):
+    if not model.compiled:
+        raise ValueError(f"{source} gives a model that was not compiled; compile it (optimizer, loss, metrics) "
+                         f"before saving or returning it. Received: --model {source}")
+    takes = tuple(model.input_shape[1:]) if isinstance(model.input_shape, tuple) else None
+    if takes != input_shape:
+        raise ValueError(f"{source} takes inputs of shape {takes}, the data's are {input_shape}; give data of its "
+                         f"shape or a model of the data's. Received: --model {source}")
+    gives = model.output_shape[-1] if isinstance(model.output_shape, tuple) else None
+    if gives != num_classes:
+        raise ValueError(f"{source} gives {gives} outputs, the data has {num_classes} classes. Received: "
+                         f"--model {source}")
 
 
 def build(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
