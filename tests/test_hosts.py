@@ -92,13 +92,14 @@ def test_multi_worker_checks_itself_across_two_hosts_and_its_communication_grows
 def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_predictions(tmp_path, small_csv):
     """``cnnpar plan`` on each of two hosts joined at 150 Mbit/s (a TF_CONFIG on each): the link as the all-reduces
     saw it is at most the shaped rate; the chief prints single, multi-worker, multi-worker accumulating the
-    advised K, multi-worker in bfloat16 and with PowerSGD (each saying what it changes in the training) and
-    async-ps (a worker on each host, its parameter server beside the chief's; its servers gone after the plan),
-    fastest first, each beside its prediction (multi-worker's from the link alone bounds it, but
-    for the noise of timing the step apart from the run: at most 25% above it, the benchmark's tolerance; one CI
-    run, under the suite's load on 2 cores, measured 454 images/s against 431 predicted);
-    accumulating as the advice says trains faster; the printed ``plan --hosts`` command reproduces the measured
-    multi-worker figure; each host's single figure is printed, the chief's first; only the chief writes --out.
+    advised K, multi-worker in bfloat16 and with PowerSGD, local steps exchanging as rarely as K all-reduces (each
+    saying what it changes in the training) and async-ps (a worker on each host, its parameter server beside the
+    chief's; its servers gone after the plan), fastest first, each beside its prediction (multi-worker's from the
+    link alone bounds it, but for the noise of timing the step apart from the run: at most 25% above it, the
+    benchmark's tolerance; one CI run, under the suite's load on 2 cores, measured 454 images/s against 431
+    predicted); accumulating as the advice says trains faster, and so do local steps; the printed ``plan
+    --hosts`` command reproduces the measured multi-worker figure; each host's single figure is printed, the
+    chief's first; only the chief writes --out.
 
     At 150 Mbit/s the 3+3's megabyte a step is most of its step (the plan advised K=10 on an AMD EPYC Zen 4: a
     machine eight times slower would still be advised to accumulate), so the plan always tries accumulating; at
@@ -120,9 +121,9 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     each_host = re.search(r"single on each host: (\d+), (\d+) images/s", printed)
     single = next(float(row["images_per_second"]) for row in rows if row["configuration"] == "single, 1 host")
     assert each_host and float(each_host[1]) == pytest.approx(single, abs=0.5), printed
-    assert sorted(row["configuration"].split(", K=")[0] for row in rows) == [
-        "async-ps, 2 workers + ps", "multi-worker, 2 hosts", "multi-worker, 2 hosts", "multi-worker, 2 hosts, bfloat16",
-        "multi-worker, 2 hosts, powersgd r=4", "single, 1 host"]
+    assert sorted(re.sub(", [KH]=[0-9]+$", "", row["configuration"]) for row in rows) == [
+        "async-ps, 2 workers + ps", "local-steps, 2 hosts", "multi-worker, 2 hosts", "multi-worker, 2 hosts",
+        "multi-worker, 2 hosts, bfloat16", "multi-worker, 2 hosts, powersgd r=4", "single, 1 host"]
     advice = {row["configuration"]: row["advice"] for row in rows}  # what each changes in the training
     assert advice["multi-worker, 2 hosts, bfloat16"] == scaling.BFLOAT16_CHANGES
     assert advice["multi-worker, 2 hosts, powersgd r=4"] == \
@@ -134,6 +135,13 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     k = int(re.search(r"accumulate=(\d+) \(one all-reduce per", synced["advice"])[1])
     accumulated = next(row for row in rows if row["configuration"] == f"multi-worker, 2 hosts, K={k}")
     assert float(accumulated["images_per_second"]) > float(synced["images_per_second"])
+    # Local steps exchange as rarely as the accumulation all-reduces (the same share of the step; H may go past
+    # K's bound of 16, up to 64), and say what they change.
+    local = next(row for row in rows if row["configuration"].startswith("local-steps, 2 hosts, H="))
+    h = int(local["configuration"].rpartition("=")[2])
+    assert h == k or k == scaling.MAX_ACCUMULATE < h <= scaling.MAX_INNER_STEPS
+    assert float(local["images_per_second"]) > float(synced["images_per_second"])
+    assert local["advice"] == f"inner_steps={h}: {scaling.LOCAL_STEPS_CHANGES.format(share=32, h=h)}"
     command = re.search(r"for more hosts: cnnpar (plan .*)", printed)[1].split()
     larger = run_cli(*command)
     assert larger.exit_code == 0, larger.output

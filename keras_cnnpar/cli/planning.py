@@ -64,8 +64,10 @@ def plan_command(model_kind, devices, batch_size, source, data_dir, precision, o
     and scaling.png); --measured runs calibrate it.
 
     Run on every host of a cluster (cnnpar launch, srun, or TF_CONFIG on each),
-    it measures single, multi-worker, multi-worker accumulating and async-ps
-    there, each beside its prediction; the chief prints the table.
+    it measures single, multi-worker, multi-worker accumulating, in bfloat16
+    and with PowerSGD, local steps and async-ps there, each beside its
+    prediction and saying what it changes in the training; the chief prints
+    the table.
     """
     quiet_tensorflow()
     cluster_link = _link(hosts, link, latency, step_seconds, measured_runs)

@@ -1,5 +1,6 @@
-"""``cnnpar plan`` on a cluster: single, multi-worker, multi-worker with accumulation or compressed gradients and
-async-ps measured on the hosts themselves, each beside its prediction, ranked by what was measured.
+"""``cnnpar plan`` on a cluster: single, multi-worker, multi-worker with accumulation or compressed gradients,
+local steps and async-ps measured on the hosts themselves, each beside its prediction, ranked by what was
+measured.
 
 Run it on every host as any MultiWorker job runs: ``cnnpar launch --workers N
 -- cnnpar plan`` on one machine, ``srun cnnpar plan`` under Slurm, or with
@@ -23,7 +24,11 @@ takes part in every measurement; only the chief prints the table and writes
 5. MultiWorker sending its gradients in bfloat16, then as PowerSGD's
    factors (``compression``), each beside its calibrated prediction from the
    bytes it sends, each saying what it changes in the training;
-6. AsyncPS with a worker on every host and its parameter server beside the
+6. LocalSteps with the inner steps ``H`` that bring its exchange under 20% of
+   the step (at most :data:`scaling.MAX_INNER_STEPS`), timed over epochs of
+   ``H`` steps (one exchange each), beside its prediction with multi-worker's
+   transport spread over the ``H`` steps;
+7. AsyncPS with a worker on every host and its parameter server beside the
    chief's worker, each a TensorFlow server that its host runs for the trial,
    beside its prediction from the link alone (``AsyncPS.host_step``).
 
@@ -181,6 +186,8 @@ def plan(model, x, y, strategy, *, name, batch_size=64, precision="float32", adv
                                                          f"rate (scale_lr) and the accuracy"))
     if advice_trials:
         rows += _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, precision, log)
+        h = scaling.accumulation_for(calibrated, scaling.COMMUNICATION_TARGET, most=scaling.MAX_INNER_STEPS)
+        rows += _local_steps_rows(model, x, y, strategy, h, step, link, size, transport, batch_size, precision, log)
         log(f"plan: trying async-ps with a worker on each of the {hosts} hosts")
         rows += _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log)
     rows.sort(key=lambda row: -row.images_per_second)
@@ -231,6 +238,27 @@ def _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, p
         rows.append(Row(f"{_synced_name(hosts)}, {label}", measured, predicted.images_per_second(batch_size),
                         predicted.communication_share, changes))
     return rows
+
+
+def _local_steps_rows(model, x, y, strategy, h, step, link, size, transport, batch_size, precision, log):
+    """LocalSteps with ``h`` inner steps on the hosts of ``strategy``, as one row (none where ``h`` is 1, where it
+    would be plain multi-worker's traffic, or where the configuration is refused, which the log says): timed over
+    epochs of ``h`` steps, one exchange each."""
+    hosts = strategy.task.num_workers
+    if h == 1:
+        return []
+    log(f"plan: trying local-steps on {hosts} hosts exchanging every {h} steps")
+    try:  # a refusal comes before the first collective, alike on every host
+        local = strategies.LocalSteps(inner_steps=h, checkpoint_dir=None, timeout=strategy.timeout)
+        (measured,) = strategy.from_chief([planner.trial_images_per_second(
+            model, local, x, y, batch_size=batch_size, precision=precision, steps=h)])
+    except ValueError as error:
+        log(f"plan: local-steps is left out: {error}")
+        return []
+    predicted = strategies.LocalSteps.host_step(hosts, step, link, size, inner_steps=h).with_transport(transport / h)
+    changes = scaling.LOCAL_STEPS_CHANGES.format(share=batch_size // hosts, h=h)
+    return [Row(f"local-steps, {hosts} hosts, H={h}", measured, predicted.images_per_second(batch_size),
+                predicted.communication_share, f"inner_steps={h}: {changes}")]
 
 
 def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log):

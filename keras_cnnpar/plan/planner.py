@@ -394,21 +394,21 @@ def _trial(model, label, strategy, x, y, batch_size, precision):
     return trial
 
 
-def _images_per_second(model, strategy, x, y, batch_size, precision, timer=None):
-    """Train a copy of ``model`` under ``strategy`` for a trial's epochs; the median images/s of the timed ones (a
-    step of a strategy that accumulates trains on ``accumulate`` global batches)."""
+def _images_per_second(model, strategy, x, y, batch_size, precision, timer=None, steps=TRIAL_STEPS):
+    """Train a copy of ``model`` under ``strategy`` for a trial's epochs of ``steps`` steps; the median images/s of
+    the timed ones (a step of a strategy that accumulates trains on ``accumulate`` global batches)."""
     timer = timer or _TrialTimer(devices=strategy.num_devices)
     copy = rebuild.rebuild(model, scope=contextlib.nullcontext())
     fitting.fit(copy, x, y, strategy=strategy, batch_size=batch_size, epochs=TIMED_EPOCHS + 2,
-                steps_per_epoch=TRIAL_STEPS, verbose=0, results_dir=None, precision=precision, callbacks=[timer])
-    return TRIAL_STEPS * batch_size * strategy.accumulate / statistics.median(timer.seconds[1:-1])
+                steps_per_epoch=steps, verbose=0, results_dir=None, precision=precision, callbacks=[timer])
+    return steps * batch_size * strategy.accumulate / statistics.median(timer.seconds[1:-1])
 
 
-def trial_images_per_second(model, strategy, x, y, *, batch_size=64, precision="float32"):
+def trial_images_per_second(model, strategy, x, y, *, batch_size=64, precision="float32", steps=TRIAL_STEPS):
     """The images/s of ``strategy`` training a copy of ``model`` on ``x``, ``y`` as a trial times it: the median of
-    its timed epochs."""
-    x, y = _trial_data(x, y, batch_size * strategy.accumulate)
-    return _images_per_second(model, strategy, x, y, batch_size, precision)
+    its timed epochs, of ``steps`` steps each (more for a strategy whose cycle is longer, as local steps')."""
+    x, y = _trial_data(x, y, batch_size * strategy.accumulate * math.ceil(steps / TRIAL_STEPS))
+    return _images_per_second(model, strategy, x, y, batch_size, precision, steps=steps)
 
 
 def single_step_seconds(model, x, y, *, batch_size=64, precision="float32"):
