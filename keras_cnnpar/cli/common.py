@@ -16,26 +16,6 @@ MODELS = list(MODEL_NAMES)
 MODEL_OPTION_HELP = ("2+2: 2 conv + 2 dense layers; 3+3: 3 conv + 3 dense layers; resnet: a residual CNN with "
                      "BatchNormalization (functional); or your own: a .keras file, or package.module:function "
                      "returning a compiled Keras model, for images of the data's shape and its classes.")
-
-
-def model_source(context, parameter, source):
-    """``--model``'s value, its form checked before anything starts (``zoo.names.check_model_source``)."""
-    try:
-        check_model_source(source)
-    except ValueError as error:
-        raise click.BadParameter(str(error), context, parameter) from None
-    return source
-
-
-def model_from_source(source, digits):
-    """The compiled model ``--model`` names for ``digits`` (see ``zoo.models.from_source``); anything that does
-    not fit is refused in one line (exit 2)."""
-    from keras_cnnpar.zoo import models
-
-    try:
-        return models.from_source(source, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
-    except ValueError as error:
-        raise Refused(str(error)) from None
 #: Seeds as TensorFlow and numpy take them.
 SEED = click.IntRange(0, 2**32 - 1)
 FORCE = click.option("--force", is_flag=True, help="Replace files that exist already.")
@@ -76,6 +56,26 @@ class Refused(click.ClickException):
     """A run refused before it trained, for its settings or files: one line, exit code 2 (a usage error)."""
 
     exit_code = 2
+
+
+def model_source(context, parameter, source):
+    """``--model``'s value, its form checked before anything starts (``zoo.names.check_model_source``)."""
+    try:
+        check_model_source(source)
+    except ValueError as error:
+        raise click.BadParameter(str(error), context, parameter) from None
+    return source
+
+
+def model_from_source(source, digits):
+    """The compiled model ``--model`` names for ``digits`` (see ``zoo.models.from_source``); anything that does
+    not fit is refused in one line (exit 2)."""
+    from keras_cnnpar.zoo import models
+
+    try:
+        return models.from_source(source, input_shape=digits.x.shape[1:], num_classes=digits.num_classes)
+    except ValueError as error:
+        raise Refused(str(error)) from None
 
 
 def check_writable(folder, option, value=None):
