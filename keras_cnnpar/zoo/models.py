@@ -64,9 +64,9 @@ def _loaded(path):
         return keras.saving.load_model(path)
     except Exception as error:  # Keras raises many kinds for a file it cannot read
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{path}: Keras could not load it as a model ({first}); a model with custom layers needs "
-                         f"them registered (keras.saving.register_keras_serializable) in a module, then give "
-                         f"--model module:function. Received: --model {path}") from None
+        raise ValueError(f"{path}: Keras could not load it as a model ({first}); for a model of custom layers, "
+                         f"give --model package.module:function, a function of yours that imports them and returns "
+                         f"keras.saving.load_model(...). Received: --model {path}") from None
 
 
 def _built(source):
