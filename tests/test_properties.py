@@ -1,0 +1,335 @@
+"""Properties of the parsers and pure functions that a hostile input reaches, each checked on generated inputs.
+
+Every test states what holds for EVERY input: a value that satisfies an invariant, or a one-line ``ValueError``
+(or usage error) that names the input. The examples are derandomized and no database is kept, so the verdict is
+the same on every machine and every day.
+"""
+
+import ast
+import json
+import math
+import string
+
+import click
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from keras_cnnpar.cli.training import _strategy_options
+from keras_cnnpar.cluster import environments, spec, traffic
+from keras_cnnpar.strategies import arguments
+
+#: One verdict on any machine: the same examples each run, no time limit, nothing remembered between runs.
+PROPERTY = settings(derandomize=True, deadline=None, max_examples=100, database=None)
+
+#: Text that looks like what a user types: digits, dots, signs, exponents, units, spaces, and some letters.
+TYPED = st.text(alphabet="0123456789.eE+- kmgtbitsuMGBx:[],()=_\n\t\x00é", max_size=24)
+
+#: Any Python value an option may be given.
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                      st.text(max_size=8), st.lists(st.integers(), max_size=2))
+
+
+def assert_one_line_naming(error, received):
+    """``error`` says in one line what was received."""
+    message = str(error)
+    assert "\n" not in message, message
+    assert received in message, (received, message)
+
+
+# Link rates and times (cluster/traffic.py)
+
+
+@PROPERTY
+@given(rate=TYPED, latency=TYPED)
+@example(rate="1e300tbit", latency="0s")  # a finite number, an infinite rate
+def test_every_link_text_is_read_as_a_finite_positive_rate_and_latency_or_refused_in_one_line_naming_it(rate,
+                                                                                                           latency):
+    try:
+        link = traffic.Link.parse(rate, latency)
+    except ValueError as error:
+        assert_one_line_naming(error, repr(rate) if str(error).startswith("link rate") else repr(latency))
+        return
+    assert 0 < link.bits_per_second < math.inf
+    assert 0 <= link.latency_seconds < math.inf
+
+
+@PROPERTY
+@given(number=st.floats(0, 1e300, allow_subnormal=False), unit=st.sampled_from(list(traffic.RATE_UNITS)),
+       spaces=st.sampled_from(["", " ", "  "]), upper=st.booleans())
+def test_a_rate_is_its_number_times_its_units_bits_whatever_the_case_and_spacing(number, unit, spaces, upper):
+    text = f"{spaces}{number!r}{spaces}{unit.upper() if upper else unit}{spaces}"
+    expected = number * traffic.RATE_UNITS[unit]
+    if not 0 < expected < math.inf:
+        with pytest.raises(ValueError, match=r"^link rate: .*received "):
+            traffic.Link.parse(text)
+        return
+    assert traffic.Link.parse(text).bits_per_second == pytest.approx(expected, rel=1e-12)
+
+
+@PROPERTY
+@given(bits=st.floats(1, 1e18), latency=st.floats(0, 10))
+def test_a_links_text_reads_back_as_the_same_rate_and_latency_to_its_three_digits(bits, latency):
+    rate_text, latency_text = str(traffic.Link(bits, latency)).split(", ")
+    back = traffic.Link.parse(rate_text, latency_text.removesuffix(" latency").replace(" ", ""))
+    assert back.bits_per_second == pytest.approx(bits, rel=5e-3)
+    assert back.latency_seconds == pytest.approx(latency, rel=5e-3, abs=1e-9)
+
+
+@PROPERTY
+@given(bits=st.floats(1, 1e13), latency=st.floats(0, 1), first=st.integers(0, 10**10), second=st.integers(0, 10**10),
+       rounds=st.integers(0, 100))
+def test_a_links_seconds_add_up_over_payloads_and_grow_with_bytes_and_rounds(bits, latency, first, second, rounds):
+    link = traffic.Link(bits, latency)
+    assert link.seconds(first + second) == pytest.approx(link.seconds(first) + link.seconds(second), rel=1e-9)
+    assert link.seconds(first, rounds) == pytest.approx(link.seconds(first) + rounds * latency, rel=1e-9)
+    assert link.seconds(max(first, second), rounds + 1) >= link.seconds(min(first, second), rounds) >= 0
+    assert link.seconds(bits / 8) == pytest.approx(1.0)  # a second's bytes take a second
+
+
+# The traffic model's arithmetic
+
+
+@PROPERTY
+@given(payload=st.integers(0, 10**12), hosts=st.integers(1, 10**4))
+def test_a_ring_all_reduce_sends_2_n_minus_1_payloads_in_all_each_host_less_than_twice_one(payload, hosts):
+    each = traffic.ring_all_reduce(payload, hosts)
+    assert each * hosts == pytest.approx(2 * (hosts - 1) * payload)  # every shard reduced and gathered once
+    assert 0 <= each < 2 * payload or each == payload == 0
+    assert traffic.ring_all_reduce(payload, hosts + 1) >= each  # more hosts never send less each
+    assert traffic.ring_all_reduce(payload, 1) == 0  # one host sends nothing
+
+
+@PROPERTY
+@given(compute=st.floats(1e-4, 10), communication=st.floats(0, 10), parallel=st.floats(1, 64),
+       factor=st.floats(0.05, 16), batch=st.integers(1, 4096), measured=st.floats(1e-3, 1e6))
+def test_a_host_steps_images_per_second_are_its_images_over_its_seconds_and_transport_reaches_the_measure(
+        compute, communication, parallel, factor, batch, measured):
+    step = traffic.HostStep(compute, communication, parallel, factor)
+    assert step.seconds == pytest.approx(compute + communication)
+    assert step.images_per_second(batch) * step.seconds == pytest.approx(batch * factor * parallel)
+    assert 0 <= step.communication_share < 1
+    transport = step.transport_to(measured, batch)
+    calibrated = step.with_transport(transport)
+    assert calibrated.communication_seconds >= 0
+    if communication + transport >= 0:  # the link's own time is never taken away below nothing
+        assert calibrated.images_per_second(batch) == pytest.approx(measured, rel=1e-6)
+    else:
+        assert calibrated.images_per_second(batch) <= measured * (1 + 1e-9)
+
+
+# The options every strategy takes (strategies/arguments.py)
+
+
+def _int_not_bool(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@pytest.mark.parametrize(("check", "accepts"), [
+    (arguments.positive_int, lambda v: _int_not_bool(v) and v >= 1),
+    (arguments.non_negative_int, lambda v: _int_not_bool(v) and v >= 0),
+    (arguments.positive_seconds, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                                           and 0 < v < math.inf),
+    (arguments.momentum_or_none, lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                         and 0 <= v < 1)),
+    (arguments.flag, lambda v: isinstance(v, bool)),
+], ids=lambda value: getattr(value, "__name__", ""))
+@PROPERTY
+@given(value=ANY_VALUE)
+def test_each_option_check_returns_exactly_the_values_it_promises_and_refuses_every_other_naming_it(check, accepts,
+                                                                                                     value):
+    if accepts(value):
+        assert check("option_x", value) is value
+        return
+    with pytest.raises((ValueError, TypeError)) as caught:
+        check("option_x", value)
+    assert_one_line_naming(caught.value, f"Received: option_x={value!r}")
+
+
+@PROPERTY
+@given(value=st.one_of(ANY_VALUE, st.sampled_from(["linear", "sqrt", "none", "bfloat16", "powersgd", *arguments.
+                                                   PRECISION_CHOICES])),
+       rank=st.one_of(st.none(), st.integers(-2, 8), st.booleans()))
+def test_the_named_options_take_their_listed_names_and_refuse_any_other_value_naming_it(value, rank):
+    for check, allowed, name in [(arguments.scale_lr, (None, "linear", "sqrt"), "scale_lr"),
+                                 (arguments.precision, arguments.PRECISION_CHOICES, "precision"),
+                                 (lambda v: arguments.compression(v)[0], arguments.COMPRESSIONS, "compression")]:
+        spelled = None if value == "none" and name != "precision" else value
+        if isinstance(spelled, (str, type(None))) and spelled in allowed:
+            assert check(value) == spelled
+        else:
+            with pytest.raises(ValueError) as caught:
+                check(value)
+            assert_one_line_naming(caught.value, f"Received: {name}={value!r}")
+    try:
+        chosen, chosen_rank = arguments.compression(value, rank)
+    except ValueError as error:
+        assert "\n" not in str(error) and "Received: " in str(error)
+        return
+    assert chosen in arguments.COMPRESSIONS  # a rank only with PowerSGD, 4 where none is given
+    assert chosen_rank == ((arguments.POWERSGD_RANK if rank is None else rank) if chosen == "powersgd" else None)
+    assert chosen_rank is None or (_int_not_bool(chosen_rank) and chosen_rank >= 1)
+
+
+@PROPERTY
+@given(value=st.one_of(ANY_VALUE, st.tuples(st.text(max_size=4))))
+def test_devices_is_a_positive_count_or_a_non_empty_list_of_names_and_anything_else_is_refused_naming_it(value):
+    try:
+        result = arguments.devices(value)
+    except (ValueError, TypeError) as error:
+        assert_one_line_naming(error, "Received: devices=")
+        assert not (_int_not_bool(value) and value >= 1) and not (isinstance(value, (list, tuple)) and value)
+        return
+    assert result == value if _int_not_bool(value) else result == list(value) and result
+
+
+# The cluster spec and TF_CONFIG (cluster/spec.py)
+
+HOSTS = st.sampled_from(["localhost", "10.0.0.1", "Node-1", "node-1", "h", "", "::1", "[::1]", "é"])
+PORTS = st.one_of(st.integers(-1, 70000).map(str), st.sampled_from(["", "\uff18\uff10", "0080", "22a", "1" * 4400]))
+ADDRESSES = st.one_of(st.builds("{}:{}".format, HOSTS, PORTS), st.text(max_size=12))
+JOBS = st.sampled_from(["worker", "chief", "ps", "evaluator", ""])
+CLUSTERS = st.dictionaries(JOBS, st.one_of(st.lists(ADDRESSES, max_size=3), st.integers(), st.none()), max_size=3)
+
+
+@PROPERTY
+@given(cluster=CLUSTERS)
+def test_a_cluster_is_accepted_only_where_every_task_has_its_own_host_and_port_else_refused_in_one_line(cluster):
+    try:
+        parsed = spec.parse_spec(cluster, jobs=())
+    except ValueError as error:
+        assert_one_line_naming(error, "Received: ")
+        assert str(error).startswith("cluster: ")
+        return
+    assert parsed is cluster
+    seen = set()
+    for addresses in cluster.values():
+        assert addresses
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            assert host and ":" not in host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+            assert (host.lower(), int(port)) not in seen
+            seen.add((host.lower(), int(port)))
+
+
+@PROPERTY
+@given(cluster=CLUSTERS, job=JOBS, index=st.one_of(st.integers(-1, 3), st.booleans(), st.none(), st.text(max_size=2)))
+@example(cluster={"chief": ["h1:1", "h2:1"], "worker": ["h3:1"]}, job="chief", index=1)  # two chiefs: both would write
+def test_tf_config_is_a_task_that_round_trips_and_has_exactly_one_chief_or_a_one_line_refusal(cluster, job, index):
+    text = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+    try:
+        task = spec.Task.parse(spec.read_tf_config({"TF_CONFIG": text}))
+    except ValueError as error:
+        assert_one_line_naming(error, "Received: ")
+        assert str(error).startswith("TF_CONFIG")
+        return
+    assert spec.Task.parse(task.tf_config()) == task
+    training = [(kind, i) for kind in spec.TRAINING_JOBS for i in range(len(cluster.get(kind, ())))]
+    chiefs = [(kind, i) for kind, i in training if spec.Task(cluster, kind, i).is_chief]
+    assert len(chiefs) == 1 and task.num_workers == len(training)
+    assert task.chief == cluster[chiefs[0][0]][chiefs[0][1]]
+
+
+@PROPERTY
+@given(text=st.one_of(st.text(max_size=40), st.sampled_from(["[" * 100_000, '{"a": ' * 50_000, "NaN", "{}"])))
+def test_any_tf_config_text_is_a_json_object_or_refused_in_one_line_naming_tf_config(text):
+    try:
+        config = spec.read_tf_config({"TF_CONFIG": text})
+    except ValueError as error:
+        assert str(error).count("\n") == 0 and "TF_CONFIG" in str(error)
+        return
+    assert isinstance(config, dict) and json.dumps(config) == json.dumps(json.loads(text))
+
+
+@PROPERTY
+@given(raw=st.one_of(st.binary(max_size=30), st.text(max_size=30).map(str.encode)))
+def test_any_bytes_in_a_cluster_file_are_a_json_value_or_refused_in_one_line_naming_the_file(raw, tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "spec.json"
+    path.write_bytes(raw)
+    try:
+        value = spec.read_json_file(path, "cluster")
+    except ValueError as error:
+        assert_one_line_naming(error, str(path))
+        return
+    assert json.dumps(value) == json.dumps(json.loads(raw.decode("utf-8")))
+
+
+# The environments' variables (cluster/environments.py)
+
+NAMES = st.text(alphabet=string.ascii_lowercase + "-", min_size=1, max_size=5)
+
+
+@PROPERTY
+@given(groups=st.lists(st.tuples(NAMES, st.integers(0, 120), st.integers(0, 4), st.integers(1, 3)), min_size=1,
+                       max_size=4))
+def test_a_slurm_host_list_expands_to_its_names_in_order_and_back(groups):
+    parts, expected = [], []
+    for prefix, first, count, width in groups:
+        numbers = range(first, first + count + 1)
+        parts.append(f"{prefix}[{str(first).zfill(width)}-{str(numbers[-1]).zfill(width)}]" if count else
+                     f"{prefix}{first}")
+        expected += [prefix + (str(n).zfill(width) if count else str(n)) for n in numbers]
+    assert environments.expand_hostlist(",".join(parts)) == expected
+
+
+@PROPERTY
+@given(text=st.text(alphabet="ab01-9[],", max_size=10))  # at most 10**5 names: no range of a billion
+def test_any_host_list_text_is_names_without_brackets_or_commas_or_refused_in_one_line_naming_it(text):
+    try:
+        hosts = environments.expand_hostlist(text)
+    except ValueError as error:
+        assert_one_line_naming(error, f"SLURM_STEP_NODELIST={text!r}")
+        return
+    assert hosts and all(host and not set(host) & set("[],") for host in hosts)
+
+
+@PROPERTY
+@given(counts=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=4),
+       text=st.text(alphabet="0123(x),", max_size=9))  # at most 10**5 tasks
+def test_tasks_per_node_expand_to_their_counts_and_any_other_text_is_refused_naming_it(counts, text):
+    written = ",".join(f"{tasks}(x{repeat})" if repeat > 1 else str(tasks) for tasks, repeat in counts)
+    assert environments.expand_tasks_per_node(written) == [tasks for tasks, repeat in counts for _ in range(repeat)]
+    try:
+        expanded = environments.expand_tasks_per_node(text)
+    except ValueError as error:
+        assert_one_line_naming(error, f"SLURM_STEP_TASKS_PER_NODE={text!r}")
+        return
+    assert expanded and all(tasks >= 1 for tasks in expanded)
+
+
+@PROPERTY
+@given(text=st.one_of(st.text(max_size=6), st.integers(0, 70000).map(str), st.just("9" * 4400)),
+       high=st.sampled_from([None, 65535]))
+def test_an_environment_variables_int_is_within_its_bounds_or_refused_in_one_line_naming_the_variable(text, high):
+    try:
+        value = environments._int({"CNNPAR_X": text}, "CNNPAR_X", 7, low=1, high=high)
+    except ValueError as error:
+        assert_one_line_naming(error, f"CNNPAR_X={text!r}")
+        return
+    assert value == 7 if not text else (1 <= value <= (high or value) and value == int(text))
+
+
+# `--option NAME=VALUE` (cli/training.py)
+
+OPTIONS = st.one_of(st.sampled_from(["warmup_steps", "ema_momentum", "workers", "nothing", "", "timeout"]),
+                    st.text(max_size=5))
+VALUES = st.one_of(st.text(max_size=10), st.integers().map(str), st.sampled_from(["None", "[1, (2", "-" * 3000 + "1",
+                                                                                  "(" * 300, "\udcff", "\x00"]))
+
+
+@PROPERTY
+@given(pairs=st.lists(st.one_of(st.builds("{}={}".format, OPTIONS, VALUES), st.text(max_size=8)), max_size=3))
+def test_every_option_pair_is_a_literal_or_its_text_or_a_one_line_usage_error_naming_the_pair(pairs):
+    given_flags = {"workers": 2, "timeout": None}
+    try:
+        options = _strategy_options("async-ps", pairs, given_flags)
+    except click.BadParameter as error:
+        assert "\n" not in error.message and "Received: --option " in error.message
+        assert any(f"--option {pair if pair.isprintable() else repr(pair)}" in error.message for pair in pairs)
+        return
+    assert {name: options[name] for name in given_flags} == given_flags
+    assert len(options) == len(given_flags) + len(pairs)  # every pair once, none lost
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        value = options[name]
+        assert value == text or value == ast.literal_eval(text)
