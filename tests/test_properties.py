@@ -8,7 +8,9 @@ the same on every machine and every day.
 import ast
 import json
 import math
+import re
 import string
+import warnings
 
 import click
 import pytest
@@ -25,8 +27,9 @@ PROPERTY = settings(derandomize=True, deadline=None, max_examples=100, database=
 #: Text that looks like what a user types: digits, dots, signs, exponents, units, spaces, and some letters.
 TYPED = st.text(alphabet="0123456789.eE+- kmgtbitsuMGBx:[],()=_\n\t\x00é", max_size=24)
 
-#: Any Python value an option may be given.
-ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+#: Any Python value an option may be given; the bounds of the checks first.
+ANY_VALUE = st.one_of(st.sampled_from([0, 1, 2, -1, 0.0, 1.0, 0.5, math.inf, -math.inf, math.nan, 1e-300]),
+                      st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
                       st.text(max_size=8), st.lists(st.integers(), max_size=2))
 
 
@@ -48,7 +51,11 @@ def test_every_link_text_is_read_as_a_finite_positive_rate_and_latency_or_refuse
     try:
         link = traffic.Link.parse(rate, latency)
     except ValueError as error:
-        assert_one_line_naming(error, repr(rate) if str(error).startswith("link rate") else repr(latency))
+        assert str(error) in (
+            f"link rate: expected a number and one of the units bit, kbit, mbit, gbit, tbit (100mbit, 1gbit, 10gbit); "
+            f"received {rate!r}",
+            f"link rate: expected more than 0 bits per second; received {rate!r}",
+            f"link latency: expected a number and one of the units s, ms, us (0.1ms, 50us); received {latency!r}")
         return
     assert 0 < link.bits_per_second < math.inf
     assert 0 <= link.latency_seconds < math.inf
@@ -74,6 +81,19 @@ def test_a_links_text_reads_back_as_the_same_rate_and_latency_to_its_three_digit
     back = traffic.Link.parse(rate_text, latency_text.removesuffix(" latency").replace(" ", ""))
     assert back.bits_per_second == pytest.approx(bits, rel=5e-3)
     assert back.latency_seconds == pytest.approx(latency, rel=5e-3, abs=1e-9)
+
+
+@PROPERTY
+@given(bits=st.one_of(st.floats(1e-3, 1e16), st.sampled_from(list(traffic.RATE_UNITS.values()))),
+       tenths=st.integers(0, 999))  # up to 99.9 ms: three digits
+@example(bits=0.5, tenths=5)
+def test_a_links_text_gives_the_rate_in_its_largest_unit_not_above_it_and_the_latency_in_ms(bits, tenths):
+    rate_text, latency_text = str(traffic.Link(bits, tenths / 1e4)).split(", ")
+    number, unit = re.fullmatch(r"([0-9.e+-]+)([a-z]+)", rate_text).groups()
+    assert unit == max((unit for unit, scale in traffic.RATE_UNITS.items() if scale <= bits), default="bit",
+                       key=traffic.RATE_UNITS.get)
+    assert 1 <= float(number) < 1000 or (unit == "bit" and float(number) < 1) or unit == "tbit"
+    assert latency_text == f"{tenths / 10:g} ms latency"  # in 0.1 ms steps, exactly
 
 
 @PROPERTY
@@ -125,25 +145,25 @@ def _int_not_bool(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@pytest.mark.parametrize(("check", "accepts"), [
-    (arguments.positive_int, lambda v: _int_not_bool(v) and v >= 1),
-    (arguments.non_negative_int, lambda v: _int_not_bool(v) and v >= 0),
+@pytest.mark.parametrize(("check", "accepts", "refusal"), [
+    (arguments.positive_int, lambda v: _int_not_bool(v) and v >= 1, "must be a positive int"),
+    (arguments.non_negative_int, lambda v: _int_not_bool(v) and v >= 0, "must be an int of at least 0"),
     (arguments.positive_seconds, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                                           and 0 < v < math.inf),
+     and 0 < v < math.inf, "must be a positive number of seconds"),
     (arguments.momentum_or_none, lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                         and 0 <= v < 1)),
-    (arguments.flag, lambda v: isinstance(v, bool)),
-], ids=lambda value: getattr(value, "__name__", ""))
+                                                         and 0 <= v < 1), "must be a number in [0, 1) or None"),
+    (arguments.flag, lambda v: isinstance(v, bool), "must be True or False"),
+], ids=lambda value: getattr(value, "__name__", None) if callable(value) and "lambda" not in value.__name__ else "")
 @PROPERTY
 @given(value=ANY_VALUE)
 def test_each_option_check_returns_exactly_the_values_it_promises_and_refuses_every_other_naming_it(check, accepts,
-                                                                                                     value):
+                                                                                                     refusal, value):
     if accepts(value):
         assert check("option_x", value) is value
         return
     with pytest.raises((ValueError, TypeError)) as caught:
         check("option_x", value)
-    assert_one_line_naming(caught.value, f"Received: option_x={value!r}")
+    assert str(caught.value) == f"option_x {refusal}. Received: option_x={value!r}"
 
 
 @PROPERTY
@@ -151,6 +171,16 @@ def test_each_option_check_returns_exactly_the_values_it_promises_and_refuses_ev
                                                    PRECISION_CHOICES])),
        rank=st.one_of(st.none(), st.integers(-2, 8), st.booleans()))
 def test_the_named_options_take_their_listed_names_and_refuse_any_other_value_naming_it(value, rank):
+    _named_options_take_their_names(value, rank)
+
+
+@pytest.mark.parametrize("value", ["none", *arguments.PRECISION_CHOICES, *arguments.COMPRESSIONS, *arguments.SCALE_LR])
+@pytest.mark.parametrize("rank", [None, 2, 0])
+def test_each_listed_name_of_the_named_options_is_taken_by_its_option_and_refused_by_the_others(value, rank):
+    _named_options_take_their_names(value, rank)
+
+
+def _named_options_take_their_names(value, rank):
     for check, allowed, name in [(arguments.scale_lr, (None, "linear", "sqrt"), "scale_lr"),
                                  (arguments.precision, arguments.PRECISION_CHOICES, "precision"),
                                  (lambda v: arguments.compression(v)[0], arguments.COMPRESSIONS, "compression")]:
@@ -165,6 +195,8 @@ def test_the_named_options_take_their_listed_names_and_refuse_any_other_value_na
         chosen, chosen_rank = arguments.compression(value, rank)
     except ValueError as error:
         assert "\n" not in str(error) and "Received: " in str(error)
+        if value == "powersgd":  # the rank named where it is the rank that is refused
+            assert str(error) == f"powersgd_rank must be a positive int. Received: powersgd_rank={rank!r}"
         return
     assert chosen in arguments.COMPRESSIONS  # a rank only with PowerSGD, 4 where none is given
     assert chosen_rank == ((arguments.POWERSGD_RANK if rank is None else rank) if chosen == "powersgd" else None)
@@ -178,9 +210,57 @@ def test_devices_is_a_positive_count_or_a_non_empty_list_of_names_and_anything_e
         result = arguments.devices(value)
     except (ValueError, TypeError) as error:
         assert_one_line_naming(error, "Received: devices=")
+        if isinstance(value, (list, tuple)) and not value:
+            assert str(error) == "devices must name at least one device. Received: devices=[]"
         assert not (_int_not_bool(value) and value >= 1) and not (isinstance(value, (list, tuple)) and value)
         return
     assert result == value if _int_not_bool(value) else result == list(value) and result
+
+
+@PROPERTY
+@given(value=ANY_VALUE, kind=st.sampled_from(arguments.COMPRESSIONS))
+def test_pack_bytes_is_none_or_a_positive_int_never_with_powersgd_and_a_refusal_names_it(value, kind):
+    try:
+        packed = arguments.pack_bytes(value, kind)
+    except ValueError as error:
+        assert str(error) == (f"pack_bytes is for compression=None or 'bfloat16'. Received: compression={kind!r}, "
+                              f"pack_bytes={value!r}" if kind == "powersgd" else
+                              f"pack_bytes must be a positive int. Received: pack_bytes={value!r}")
+        return
+    assert packed is value and (value is None or (kind != "powersgd" and _int_not_bool(value) and value >= 1))
+
+
+@PROPERTY
+@given(value=st.sampled_from([None, "none", *arguments.COMPRESSIONS]),
+       former=st.sampled_from([None, "none", "bfloat16", "powersgd", "float16"]))
+def test_all_reduce_dtype_warns_that_it_is_now_compression_and_counts_only_where_compression_is_not_given(value,
+                                                                                                           former):
+    spelled = None if value == "none" else value
+    if former in (None, "none"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert arguments.compression(value, all_reduce_dtype=former)[0] == spelled
+        return
+    with pytest.warns(DeprecationWarning) as caught:
+        try:
+            chosen = arguments.compression(value, all_reduce_dtype=former)[0]
+        except ValueError:
+            chosen = "refused"
+    assert [str(warning.message) for warning in caught] == [
+        f"all_reduce_dtype is now compression: give compression={former!r}"]
+    expected = former if value is None else spelled  # "none" is given: the gradients whole
+    assert chosen == (expected if expected in arguments.COMPRESSIONS else "refused")
+
+
+@PROPERTY
+@given(value=st.one_of(st.text(max_size=6), st.none(), st.integers(), st.binary(max_size=3)))
+def test_a_folder_option_is_a_path_or_none_and_anything_else_is_a_type_error_naming_it(value):
+    if value is None or isinstance(value, str):
+        assert arguments.folder_or_none("results_dir", value) is value
+        return
+    with pytest.raises(TypeError) as caught:
+        arguments.folder_or_none("results_dir", value)
+    assert str(caught.value) == f"results_dir must be a folder path or None. Received: results_dir={value!r}"
 
 
 # The cluster spec and TF_CONFIG (cluster/spec.py)

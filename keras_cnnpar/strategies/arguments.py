@@ -118,7 +118,7 @@ def compression(value, rank=None, all_reduce_dtype=None):
     """
     if all_reduce_dtype not in (None, "none"):
         warnings.warn(f"all_reduce_dtype is now compression: give compression={all_reduce_dtype!r}",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=4)  # here, the strategy's __init__, its metaclass, the user
         value = value or all_reduce_dtype
     value = None if value == "none" else value
     if value not in COMPRESSIONS:
