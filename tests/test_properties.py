@@ -10,6 +10,7 @@ import json
 import math
 import re
 import string
+import sys
 import warnings
 
 import click
@@ -44,7 +45,7 @@ def assert_one_line_naming(error, received):
 
 
 @PROPERTY
-@given(rate=TYPED, latency=TYPED)
+@given(rate=st.one_of(st.sampled_from(["1gbit", "0.5mbit"]), TYPED), latency=TYPED)  # a good rate: a latency refused
 @example(rate="1e300tbit", latency="0s")  # a finite number, an infinite rate
 def test_every_link_text_is_read_as_a_finite_positive_rate_and_latency_or_refused_in_one_line_naming_it(rate,
                                                                                                            latency):
@@ -265,6 +266,22 @@ def test_a_folder_option_is_a_path_or_none_and_anything_else_is_a_type_error_nam
 
 # The cluster spec and TF_CONFIG (cluster/spec.py)
 
+
+def assert_address_refusal(error, source, cluster):
+    """``error`` is one of the refusals of a cluster's addresses, in its words, naming the job and what it listed."""
+    message = str(error)
+    received = {f"{job}={addresses!r}" for job, addresses in cluster.items()}
+    received |= {f"{job}[{i}]={a!r}" for job, addresses in cluster.items() if isinstance(addresses, list)
+                 for i, a in enumerate(addresses)}
+    forms = [r"job '.*' must list 'host:port' addresses\. Received: (.*)",
+             r"task .*:\d+ has an IPv6 address, which keras_cnnpar does not reach yet; give an IPv4 address or a "
+             r"host name\. Received: (.*)",
+             r"task .*:\d+ needs a 'host:port' address with a host and a port in 1\.\.65535\. Received: (.*)",
+             r"tasks .*:\d+ and .*:\d+ have the same address; every task needs its own\. Received: (.*)",
+             r"the 'chief' job has one task; list the others under 'worker'\. Received: (chief=.*)"]
+    matches = [re.fullmatch(re.escape(source) + ": " + form, message) for form in forms]
+    assert any(match and match[1] in received for match in matches), message
+
 HOSTS = st.sampled_from(["localhost", "10.0.0.1", "Node-1", "node-1", "h", "", "::1", "[::1]", "é"])
 PORTS = st.one_of(st.integers(-1, 70000).map(str), st.sampled_from(["", "\uff18\uff10", "0080", "22a", "1" * 4400]))
 ADDRESSES = st.one_of(st.builds("{}:{}".format, HOSTS, PORTS), st.text(max_size=12))
@@ -278,8 +295,7 @@ def test_a_cluster_is_accepted_only_where_every_task_has_its_own_host_and_port_e
     try:
         parsed = spec.parse_spec(cluster, jobs=())
     except ValueError as error:
-        assert_one_line_naming(error, "Received: ")
-        assert str(error).startswith("cluster: ")
+        assert_address_refusal(error, "cluster", cluster)
         return
     assert parsed is cluster
     seen = set()
@@ -292,18 +308,32 @@ def test_a_cluster_is_accepted_only_where_every_task_has_its_own_host_and_port_e
             seen.add((host.lower(), int(port)))
 
 
+#: Clusters whose addresses are all good: a chief or not, 1-3 workers, ps or an evaluator or not.
+GOOD_CLUSTERS = st.builds(
+    lambda chief, workers, others: {**({"chief": ["c0:2220"]} if chief else {}),
+                                    "worker": [f"w{i}:{2222 + i}" for i in range(workers)],
+                                    **{job: [f"{job}{i}:3000"] for i, job in enumerate(others)}},
+    st.booleans(), st.integers(1, 3), st.lists(st.sampled_from(["ps", "evaluator"]), unique=True))
+
+
 @PROPERTY
-@given(cluster=CLUSTERS, job=JOBS, index=st.one_of(st.integers(-1, 3), st.booleans(), st.none(), st.text(max_size=2)))
+@given(cluster=st.one_of(GOOD_CLUSTERS, CLUSTERS), job=JOBS,
+       index=st.one_of(st.integers(-1, 3), st.booleans(), st.none(), st.text(max_size=2)))
 @example(cluster={"chief": ["h1:1", "h2:1"], "worker": ["h3:1"]}, job="chief", index=1)  # two chiefs: both would write
 def test_tf_config_is_a_task_that_round_trips_and_has_exactly_one_chief_or_a_one_line_refusal(cluster, job, index):
     text = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
     try:
         task = spec.Task.parse(spec.read_tf_config({"TF_CONFIG": text}))
     except ValueError as error:
-        assert_one_line_naming(error, "Received: ")
-        assert str(error).startswith("TF_CONFIG")
+        if not any(re.fullmatch(pattern, str(error)) for pattern in [
+                r"TF_CONFIG: expected a 'cluster' map of job name to addresses\. Received: cluster=.*",
+                r"TF_CONFIG: the cluster needs a 'worker' or 'chief' job\. Received: jobs=\[.*\]",
+                r"TF_CONFIG: expected a 'task' with a 'type' among \[.*\] and an int 'index'\. Received: task=.*",
+                r"TF_CONFIG: task index -?\d+ is outside job '.*', which has \d+ tasks\. Received: task=.*"]):
+            assert_address_refusal(error, "TF_CONFIG", cluster)
         return
-    assert spec.Task.parse(task.tf_config()) == task
+    assert spec.Task.parse(task.tf_config()) == task == spec.Task.parse(json.loads(text))
+    assert repr(task) == f"<Task {job}:{index} of { {kind: len(a) for kind, a in cluster.items()} }>"
     training = [(kind, i) for kind in spec.TRAINING_JOBS for i in range(len(cluster.get(kind, ())))]
     chiefs = [(kind, i) for kind, i in training if spec.Task(cluster, kind, i).is_chief]
     assert len(chiefs) == 1 and task.num_workers == len(training)
@@ -330,8 +360,143 @@ def test_any_bytes_in_a_cluster_file_are_a_json_value_or_refused_in_one_line_nam
         value = spec.read_json_file(path, "cluster")
     except ValueError as error:
         assert_one_line_naming(error, str(path))
+        assert str(error).startswith(f"{path}: expected ")
         return
     assert json.dumps(value) == json.dumps(json.loads(raw.decode("utf-8")))
+    if not isinstance(value, dict):  # a file must hold a map, for a spec as for a task
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: expected a JSON object, a TF_CONFIG-style "
+                                             rf"one or a map of job name to addresses\. Received: "):
+            spec.parse_spec(path)
+        with pytest.raises(TypeError, match=r"^cluster must be a TF_CONFIG-style dict or the path of a JSON file\. "
+                                            rf"Received: cluster of type {type(value).__name__}$"):
+            spec.Task.parse(str(path))
+    missing = path.with_name("missing.json")
+    with pytest.raises(ValueError, match=rf"^cannot read cluster file {re.escape(str(missing))}: No such file or "
+                                         rf"directory\. Received: cluster='{re.escape(str(missing))}'$"):
+        spec.parse_spec(missing)
+
+
+@PROPERTY
+@given(workers=st.integers(1, 4), ps=st.integers(0, 3), first=st.integers(1, 60000),
+       wrap=st.sampled_from(["bare", "tf_config", "file"]), missing=st.sampled_from([(), ("worker", "ps"), ("chief",)]))
+def test_a_local_spec_lists_its_workers_then_its_ps_and_parses_back_whether_bare_wrapped_or_in_a_file(
+        workers, ps, first, wrap, missing, tmp_path_factory):
+    ports = list(range(first, first + workers + ps))
+    local = spec.local_spec(workers, ps, ports=ports)
+    assert local == {"worker": [f"localhost:{port}" for port in ports[:workers]],
+                     **({"ps": [f"localhost:{port}" for port in ports[workers:]]} if ps else {})}
+    given = {"bare": local, "tf_config": {"cluster": local, "task": {"type": "worker", "index": 0}}}.get(wrap)
+    source = "cluster"
+    if given is None:
+        given = tmp_path_factory.mktemp("cluster") / "cluster.json"
+        given.write_text(json.dumps(local))
+        source = str(given)
+    if all(job in local for job in missing):
+        assert spec.parse_spec(given, jobs=missing) == local
+        return
+    with pytest.raises(ValueError) as caught:
+        spec.parse_spec(given, jobs=missing)
+    assert str(caught.value) == f"{source}: expected the jobs {list(missing)}. Received: jobs={sorted(local)}"
+
+
+@PROPERTY
+@given(coordinator=st.one_of(st.builds("{}:{}".format, HOSTS, PORTS), st.integers(), st.none()),
+       chief=st.booleans())
+def test_a_coordinator_is_the_spec_chief_else_the_given_address_checked_as_a_tasks_is(coordinator, chief):
+    cluster = {"worker": ["localhost:2222"], **({"chief": ["10.0.0.5:2220"]} if chief else {})}
+    if chief:
+        assert spec.coordinator_address(cluster, coordinator) == "10.0.0.5:2220"
+        return
+    if not isinstance(coordinator, str):
+        with pytest.raises(TypeError) as caught:
+            spec.check_coordinator(coordinator)
+        assert str(caught.value) == f"coordinator must be a 'host:port' string. Received: coordinator={coordinator!r}"
+        return
+    try:
+        assert spec.coordinator_address(cluster, coordinator) == coordinator
+    except ValueError as error:
+        assert_address_refusal(error, "coordinator", {"chief": [coordinator]})
+
+
+LONG = "[" + "1, " * 40 + "1]"  # a JSON value of more than 80 characters: each refusal shows its first 80
+SPEC_REFUSALS = [
+    ({"cluster": {}, "task": {}}, "TF_CONFIG: expected a 'cluster' map of job name to addresses. Received: cluster={}"),
+    ({"cluster": "w:1", "task": {}}, "TF_CONFIG: expected a 'cluster' map of job name to addresses. "
+                                     "Received: cluster='w:1'"),
+    ({"cluster": {"ps": ["p:1"]}, "task": {}}, "TF_CONFIG: the cluster needs a 'worker' or 'chief' job. "
+                                               "Received: jobs=['ps']"),
+    *[({"cluster": {"worker": ["w:1"]}, "task": task}, "TF_CONFIG: expected a 'task' with a 'type' among ['worker'] "
+                                                       f"and an int 'index'. Received: task={task!r}")
+      for task in ["worker", {"type": "worker"}, {"type": "worker", "index": True}, {"type": "ps", "index": 0},
+                   {"type": "worker", "index": "0"}]],
+    ({"cluster": {"worker": ["w:1:2"]}, "task": {}}, "TF_CONFIG: task worker:0 has an IPv6 address, which "
+                                                     "keras_cnnpar does not reach yet; give an IPv4 address or a host "
+                                                     "name. Received: worker[0]='w:1:2'"),
+    ({"cluster": {"worker": ["w:65536"]}, "task": {}}, "TF_CONFIG: task worker:0 needs a 'host:port' address with a "
+                                                       "host and a port in 1..65535. Received: worker[0]='w:65536'"),
+    ({"cluster": {"worker": ["W:1", "w:01"]}, "task": {}}, "TF_CONFIG: tasks worker:0 and worker:1 have the same "
+                                                           "address; every task needs its own. Received: "
+                                                           "worker[1]='w:01'"),
+]
+
+
+@pytest.mark.parametrize(("config", "expected"), SPEC_REFUSALS)
+def test_each_tf_config_refusal_says_what_was_expected_and_what_was_received(config, expected):
+    with pytest.raises(ValueError) as caught:
+        spec.Task.parse(config)
+    assert str(caught.value) == expected
+
+
+def test_a_task_is_read_from_tf_config_or_a_file_and_the_reading_errors_name_their_source(tmp_path, monkeypatch):
+    config = {"cluster": {"worker": ["w0:65535", "w1:1"]}, "task": {"type": "worker", "index": 1}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    (tmp_path / "task.json").write_text(json.dumps(config))
+    assert spec.Task.parse() == spec.Task.parse(config) == spec.Task.parse(str(tmp_path / "task.json")) == \
+        spec.Task.parse(tmp_path / "task.json") == spec.Task(config["cluster"], "worker", 1)
+    (tmp_path / "bad.json").write_text('{"cluster": {"worker": ["w0:0"]}, "task": {"type": "worker", "index": 0}}')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(tmp_path / 'bad.json'))}: task worker:0 needs"):
+        spec.Task.parse(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match=rf"^cannot read cluster file {re.escape(str(tmp_path / 'none.json'))}: No "
+                                         rf"such file or directory\. Received: cluster='.*none\.json'$"):
+        spec.Task.parse(tmp_path / "none.json")
+    with pytest.raises(TypeError, match=r"^cluster must be a TF_CONFIG-style dict or the path of a JSON file\. "
+                                        r"Received: cluster of type int$"):
+        spec.Task.parse(42)
+    with pytest.raises(TypeError, match=r"^cluster must be a dict, a tf.train.ClusterSpec or the path of a JSON "
+                                        r"file\. Received: cluster of type int$"):
+        spec.parse_spec(42)
+    (tmp_path / "list.json").write_text(LONG)
+    with pytest.raises(ValueError) as caught:
+        spec.parse_spec(tmp_path / "list.json")
+    assert str(caught.value) == (f"{tmp_path / 'list.json'}: expected a JSON object, a TF_CONFIG-style one or a map "
+                                 f"of job name to addresses. Received: {LONG[:80]}")
+    with pytest.raises(ValueError, match=r"^cluster: expected the jobs \['worker', 'ps'\]\. "
+                                         r"Received: jobs=\['b', 'a'\]$"):
+        spec.parse_spec({"cluster": ["b", "a"]})
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ValueError) as caught:
+        spec.Task.parse()
+    assert str(caught.value) == (
+        "no cluster: TF_CONFIG is not set. Set TF_CONFIG on every host, pass cluster=<dict or JSON file>, or start N "
+        "workers on this machine with `cnnpar launch --workers N python your_script.py` (or `cnnpar train --strategy "
+        "multi-worker --workers N`). Received: TF_CONFIG=''")
+    for text, expected in [(LONG, "TF_CONFIG: expected a JSON object with a 'cluster' and a 'task'. Received: "
+                                  f"TF_CONFIG={LONG[:80]!r}"),
+                           (LONG + "x", f"TF_CONFIG: expected JSON, line 1 column {len(LONG) + 1}: Extra data. "
+                                        f"Received: {LONG[:80]!r}"),
+                           ("[" * 5000, f"TF_CONFIG: expected JSON nested fewer than {sys.getrecursionlimit()} "
+                                        f"levels deep. Received: {'[' * 80!r}")]:
+        with pytest.raises(ValueError) as caught:
+            spec.read_tf_config({"TF_CONFIG": text})
+        assert str(caught.value) == expected
+
+
+def test_a_local_spec_takes_free_ports_and_a_coordinator_defaults_to_this_hosts_route_to_the_first_task():
+    local = spec.local_spec(2, 1)
+    addresses = local["worker"] + local["ps"]
+    assert len(local["worker"]) == 2 and len(set(addresses)) == 3 and spec.parse_spec(local) == local
+    host, _, port = spec.coordinator_address({"worker": ["localhost:2222"], "ps": ["10.9.9.9:1"]}).rpartition(":")
+    assert host == "127.0.0.1" and 1 <= int(port) <= 65535
 
 
 # The environments' variables (cluster/environments.py)
