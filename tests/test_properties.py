@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from keras_cnnpar.cli.training import _strategy_options
-from keras_cnnpar.cluster import environments, spec, traffic
+from keras_cnnpar.cluster import environments, network, spec, traffic
 from keras_cnnpar.strategies import arguments
 
 #: One verdict on any machine: the same examples each run, no time limit, nothing remembered between runs.
@@ -497,6 +497,20 @@ def test_a_local_spec_takes_free_ports_and_a_coordinator_defaults_to_this_hosts_
     assert len(local["worker"]) == 2 and len(set(addresses)) == 3 and spec.parse_spec(local) == local
     host, _, port = spec.coordinator_address({"worker": ["localhost:2222"], "ps": ["10.9.9.9:1"]}).rpartition(":")
     assert host == "127.0.0.1" and 1 <= int(port) <= 65535
+    try:
+        route = network.route_address("10.9.9.9")
+    except OSError:
+        pytest.skip("no route from this machine to another host: the coordinator's address would be loopback")
+    assert spec.coordinator_address({"worker": ["10.9.9.9:2222"]}).rpartition(":")[0] == route  # the first task's
+
+
+def test_a_cluster_file_that_is_not_utf8_is_refused_naming_the_file_and_the_byte(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_bytes(b'{"worker": ["h\xff:1"]}')
+    with pytest.raises(ValueError) as caught:
+        spec.parse_spec(path)
+    assert str(caught.value) == (f"{path}: expected UTF-8 JSON; byte 0xff at offset 14 is not UTF-8. "
+                                 f"Received: cluster={str(path)!r}")
 
 
 # The environments' variables (cluster/environments.py)
