@@ -1,6 +1,7 @@
 """Compressed gradient all-reduce (``compression=`` of DataParallel and MultiWorker): PowerSGD's arithmetic on two
 replicas of logical CPUs, its bookkeeping, and its refusals."""
 
+import inspect
 import re
 
 import numpy as np
@@ -134,3 +135,10 @@ def test_all_reduce_dtype_is_the_former_spelling_of_bfloat16_compression():
                                                 r"compression='bfloat16'$"):
         strategy = cnnpar.DataParallel(2, all_reduce_dtype="bfloat16")
     assert strategy.compression == "bfloat16"
+
+
+def test_the_former_spelling_is_warned_at_the_line_of_the_user_that_wrote_it():
+    with pytest.warns(DeprecationWarning) as caught:
+        line = inspect.currentframe().f_lineno + 1
+        cnnpar.DataParallel(2, all_reduce_dtype="bfloat16")
+    assert [(warning.filename, warning.lineno) for warning in caught] == [(__file__, line)]

@@ -314,20 +314,21 @@ def _strategy_options(alias, pairs, given):
     options, accepted, named = dict(given), registry.entry(alias).options, {}
     for pair in pairs:
         name, equals, text = pair.partition("=")
+        shown = pair if pair.isprintable() else repr(pair)  # a newline or a control character: the error one line
         if not equals or name not in accepted:
             raise click.BadParameter(f"expected NAME=VALUE, NAME one of {alias}'s options ({', '.join(accepted)}). "
-                                     f"Received: --option {pair}", param_hint="--option")
+                                     f"Received: --option {shown}", param_hint="--option")
         if name in given:
             flag = FLAGS_NAMED_OTHERWISE.get(name, "--" + name.replace("_", "-"))
             raise click.BadParameter(f"{name} has a flag of its own: give it as {flag}. Received: "
-                                     f"--option {pair}", param_hint="--option")
+                                     f"--option {shown}", param_hint="--option")
         if name in named:
             raise click.BadParameter(f"{name} is given twice; give it once. Received: --option {named[name]}, "
-                                     f"--option {pair}", param_hint="--option")
-        named[name] = pair
+                                     f"--option {shown}", param_hint="--option")
+        named[name] = shown
         try:
             options[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, RecursionError, MemoryError):  # the last two: a literal nested too deep
             options[name] = text
     return options
 

@@ -396,7 +396,8 @@ def _int(environ, name, default=None, *, low, high=None):
     text = environ.get(name) or ""
     if not text and default is not None:
         return default
-    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= (high or int(text)):
+    if (not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > 18  # int() refuses 4301 digits or more
+            or not low <= int(text) <= (high or int(text))):
         bounds = f"in {low}..{high}" if high else f">= {low}"
         raise ValueError(f"{name}: expected an int {bounds}. Received: {name}={text!r}")
     return int(text)

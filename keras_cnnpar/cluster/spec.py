@@ -20,6 +20,7 @@ ValueError: TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. 
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from keras_cnnpar.cluster.network import free_ports, route_address
@@ -130,6 +131,9 @@ def parse_json(text, source):
     except json.JSONDecodeError as error:
         raise ValueError(f"{source}: expected JSON, line {error.lineno} column {error.colno}: {error.msg}. "
                          f"Received: {text[:80]!r}") from None
+    except RecursionError:  # json's decoder recurses once per array or object level
+        raise ValueError(f"{source}: expected JSON nested fewer than {sys.getrecursionlimit()} levels deep. "
+                         f"Received: {text[:80]!r}") from None
 
 
 def _validated(config, source):
@@ -152,20 +156,25 @@ def _validated(config, source):
 
 def _check_addresses(cluster, source):
     """Refuse, before any connection, a job without addresses, or an address that no server could have:
-    no host, a port outside 1..65535 or not in ASCII digits, the same address for two tasks; and an IPv6
-    address, which the probes and routes here do not reach (they said "Name or service not known")."""
+    no host, a port outside 1..65535 or not in ASCII digits, the same address for two tasks; an IPv6
+    address, which the probes and routes here do not reach (they said "Name or service not known"); and a
+    ``chief`` job of more than one task, each of which would take itself for the chief and write."""
     seen = {}
     for job, addresses in cluster.items():
         if not isinstance(addresses, list) or not addresses or not all(isinstance(a, str) for a in addresses):
             raise ValueError(f"{source}: job {job!r} must list 'host:port' addresses. "
                              f"Received: {job}={addresses!r}")
+        if job == "chief" and len(addresses) > 1:
+            raise ValueError(f"{source}: the 'chief' job has one task; list the others under 'worker'. "
+                             f"Received: chief={addresses!r}")
         for index, address in enumerate(addresses):
             host, _, port = address.rpartition(":")
             if ":" in host:
                 raise ValueError(f"{source}: task {job}:{index} has an IPv6 address, which keras_cnnpar does not "
                                  f"reach yet; give an IPv4 address or a host name. "
                                  f"Received: {job}[{index}]={address!r}")
-            if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            if (not host or not (port.isascii() and port.isdigit()) or len(port.lstrip("0")) > 5  # int() of 4301
+                    or not 1 <= int(port) <= 65535):  # digits or more raises its own error, which names no task
                 raise ValueError(f"{source}: task {job}:{index} needs a 'host:port' address with a host and a port "
                                  f"in 1..65535. Received: {job}[{index}]={address!r}")
             key = (host.lower(), int(port))

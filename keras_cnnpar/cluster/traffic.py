@@ -28,10 +28,11 @@ TIME_UNITS = {"s": 1, "ms": 1e-3, "us": 1e-6}
 
 def _parse(text, units, what, example):
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]+)\s*", str(text).lower())
-    if not match or match[2] not in units or not 0 <= float(match[1]) < math.inf:
+    value = float(match[1]) * units[match[2]] if match and match[2] in units else math.nan
+    if not 0 <= value < math.inf:  # the product: 1e300tbit is a finite number of an infinite rate
         raise ValueError(f"{what}: expected a number and one of the units {', '.join(units)} ({example}); "
                          f"received {text!r}")
-    return float(match[1]) * units[match[2]]
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

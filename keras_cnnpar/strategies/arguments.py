@@ -70,8 +70,14 @@ def momentum_or_none(name, value):
 
 
 def positive_seconds(name, value):
-    """``value`` if it is a positive number of seconds (int or float, not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    """``value`` if it is a positive, finite number of seconds (int or float, not a bool; not NaN or infinity,
+    which the barriers' ``int(1000 * timeout)`` cannot take).
+
+    >>> positive_seconds("timeout", float("nan"))
+    Traceback (most recent call last):
+    ValueError: timeout must be a positive number of seconds. Received: timeout=nan
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive number of seconds. Received: {name}={value!r}")
     return value
 
@@ -90,7 +96,7 @@ def devices(value):
 def scale_lr(value):
     """A ``scale_lr`` option: ``"linear"``, ``"sqrt"`` or ``None`` (also spelled ``"none"``)."""
     value = None if value == "none" else value
-    if value not in SCALE_LR:
+    if value not in tuple(SCALE_LR):  # a tuple: an unhashable value is refused, not a TypeError of the dict's
         raise ValueError(f"scale_lr must be 'linear', 'sqrt' or None. Received: scale_lr={value!r}")
     return value
 
@@ -112,7 +118,7 @@ def compression(value, rank=None, all_reduce_dtype=None):
     """
     if all_reduce_dtype not in (None, "none"):
         warnings.warn(f"all_reduce_dtype is now compression: give compression={all_reduce_dtype!r}",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=4)  # here, the strategy's __init__, its metaclass, the user
         value = value or all_reduce_dtype
     value = None if value == "none" else value
     if value not in COMPRESSIONS:
