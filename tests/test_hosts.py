@@ -127,7 +127,7 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     advice = {row["configuration"]: row["advice"] for row in rows}  # what each changes in the training
     assert advice["multi-worker, 2 hosts, bfloat16"] == scaling.BFLOAT16_CHANGES
     assert advice["multi-worker, 2 hosts, powersgd r=4"] == \
-        f"compression='powersgd': {scaling.POWERSGD_CHANGES.format(rank=4)}"
+        scaling.powersgd_changes(4)
     asynchronous = next(row for row in rows if row["configuration"].startswith("async-ps"))
     assert float(asynchronous["images_per_second"]) > 0 and float(asynchronous["predicted_images_per_second"]) > 0
     synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")
@@ -141,7 +141,7 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
     h = int(local["configuration"].rpartition("=")[2])
     assert h == k or k == scaling.MAX_ACCUMULATE < h <= scaling.MAX_INNER_STEPS
     assert float(local["images_per_second"]) > float(synced["images_per_second"])
-    assert local["advice"] == f"inner_steps={h}: {scaling.LOCAL_STEPS_CHANGES.format(share=32, h=h)}"
+    assert local["advice"] == scaling.local_steps_changes(h, 32)
     command = re.search(r"for more hosts: cnnpar (plan .*)", printed)[1].split()
     larger = run_cli(*command)
     assert larger.exit_code == 0, larger.output

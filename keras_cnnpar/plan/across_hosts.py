@@ -223,7 +223,7 @@ def _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, p
     trials = [("bfloat16", {"compression": "bfloat16"}, scaling.gradient_bytes(model) / 2, 1,
                scaling.BFLOAT16_CHANGES),
               (f"powersgd r={rank}", {"compression": "powersgd", "powersgd_rank": rank}, 4 * floats, 2,
-               f"compression='powersgd': {scaling.POWERSGD_CHANGES.format(rank=rank)}")]
+               scaling.powersgd_changes(rank))]
     rows = []
     for label, options, sent, all_reduces, changes in trials:
         log(f"plan: trying multi-worker on {hosts} hosts, its gradients in {label}")
@@ -256,9 +256,8 @@ def _local_steps_rows(model, x, y, strategy, h, step, link, size, transport, bat
         log(f"plan: local-steps is left out: {error}")
         return []
     predicted = strategies.LocalSteps.host_step(hosts, step, link, size, inner_steps=h).with_transport(transport / h)
-    changes = scaling.LOCAL_STEPS_CHANGES.format(share=batch_size // hosts, h=h)
     return [Row(f"local-steps, {hosts} hosts, H={h}", measured, predicted.images_per_second(batch_size),
-                predicted.communication_share, f"inner_steps={h}: {changes}")]
+                predicted.communication_share, scaling.local_steps_changes(h, batch_size // hosts))]
 
 
 def _async_ps_rows(model, x, y, strategy, step, link, size, batch_size, precision, number, log):

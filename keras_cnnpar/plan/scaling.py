@@ -65,12 +65,6 @@ MAX_INNER_STEPS = 64
 #: What bfloat16 gradients change in the training, said beside their row.
 BFLOAT16_CHANGES = ("each part of the gradient and their sum rounded to 8 significant bits: Single's training "
                     "within rounding (docs/slow_links.md: no measurable accuracy cost)")
-#: What PowerSGD changes in the training, said beside its row (docs/slow_links.md has the measured accuracy).
-POWERSGD_CHANGES = ("each large gradient summed as rank-{rank} factors with error feedback, an approximation of "
-                    "Single's update (docs/slow_links.md: its measured accuracy)")
-#: What local steps change in the training, said beside their row.
-LOCAL_STEPS_CHANGES = ("each host steps alone on its {share} examples of a batch, and the hosts meet every {h} "
-                       "steps: another training (docs/slow_links.md: its measured accuracy)")
 #: What the table's figures are without a measured run, printed under it (docs/hosts.md has the measurements).
 UPPER_BOUND = ("these are upper bounds: the link's bytes and latency only; TensorFlow's transport costs more "
                "(measured 0.35-1.05x of them across hosts, docs/hosts.md); --measured CONFIGURATION:HOSTS=IMAGES/S, "
@@ -82,6 +76,31 @@ CALIBRATED = ("calibrated with the measured runs: TensorFlow's transport adds {a
 CALIBRATION_CHECKED = "14 of 16 configurations within 25% of their measured images/s at 100 Mbit/s and 1 Gbit/s"
 #: The columns of ``scaling.csv``: one row per host count and configuration.
 COLUMNS = ("hosts", "configuration", "images_per_second", "efficiency", "communication_share", "step_seconds")
+
+
+def powersgd_changes(rank):
+    """What PowerSGD of ``rank`` changes in the training, said beside its row (docs/slow_links.md has the
+    measured accuracy).
+
+    >>> powersgd_changes(4).startswith("compression='powersgd': each large gradient summed as rank-4 factors")
+    True
+    """
+    return (f"compression='powersgd': each large gradient summed as rank-{rank} factors with error feedback, an "
+            "approximation of Single's update (docs/slow_links.md: its measured accuracy)")
+
+
+def local_steps_changes(inner_steps, share):
+    """What local steps exchanging every ``inner_steps`` steps change in the training, each host stepping on
+    ``share`` examples of a batch, said beside their row; the bound is named where it is reached.
+
+    >>> local_steps_changes(8, 32)[:66]
+    'inner_steps=8: each host steps alone on its 32 examples of a batch'
+    >>> local_steps_changes(64, 32).endswith("(H is advised up to 64)")
+    True
+    """
+    return (f"inner_steps={inner_steps}: each host steps alone on its {share} examples of a batch, and the hosts "
+            f"meet every {inner_steps} steps: another training (docs/slow_links.md: its measured accuracy)"
+            + (f" (H is advised up to {MAX_INNER_STEPS})" if inner_steps == MAX_INNER_STEPS else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +198,9 @@ class Scaling:
                     f"an update of {k * self.batch_size} images, {k} times Single's: another training"
                     + (f" (K is advised up to {MAX_ACCUMULATE})" if k == MAX_ACCUMULATE else ""))
         if name.endswith(" r"):
-            return f"compression='powersgd': {POWERSGD_CHANGES.format(rank=value)}"
+            return powersgd_changes(value)
         if name.endswith(" H"):
-            return (f"inner_steps={value}: {LOCAL_STEPS_CHANGES.format(share=self.batch_size // hosts, h=value)}"
-                    + (f" (H is advised up to {MAX_INNER_STEPS})" if int(value) == MAX_INNER_STEPS else ""))
+            return local_steps_changes(int(value), self.batch_size // hosts)
         if name == "async-ps":
             return "asynchronous updates from stale weights: another training"
         return "Single's training"
