@@ -196,9 +196,9 @@ def test_local_steps_workers_train_to_the_floor_exchanging_twice_an_epoch_and_on
     ("worker 1", "multi-worker", ["--option", "compression=powersgd"],
      ["powersgd/errors"] * 4 + ["powersgd/factors"] * 4),
     # Its 8 variables' weights at the last exchange and outer momentum (tests/test_local_steps.py restores them);
-    # 2 steps a call into TensorFlow (with its default, 8, an epoch's 5 steps are one call, and the checkpoint
-    # came after epoch 2).
-    ("worker 1", "local-steps", ["--option", "inner_steps=2"], ["outer/anchors"] * 8 + ["outer/momenta"] * 8),
+    # one step a call into TensorFlow (gcd(8, 3); with the default H, 8, an epoch's 5 steps are one call), so a
+    # save after any step could fall between two exchanges; it comes right after one (the workers meet there).
+    ("worker 1", "local-steps", ["--option", "inner_steps=3"], ["outer/anchors"] * 8 + ["outer/momenta"] * 8),
 ], ids=["launcher", "worker 1", "worker 1 local-steps"])
 def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remaining_epochs(tmp_path, small_csv, target,
                                                                                        strategy, options, state):
@@ -238,6 +238,11 @@ def test_a_preemption_checkpoints_every_worker_and_resume_completes_the_remainin
     kept = sorted(name for name in saved.get_variable_to_shape_map() if re.search("/(powersgd|outer)/", name))
     assert [re.search(r"(\w+/\w+)/\d+/\.ATTRIBUTES", name)[1] for name in kept] == state
     assert all(np.abs(saved.get_tensor(name)).max() > 0 for name in kept)  # trained state, not fresh zeros
+    if strategy == "local-steps":  # saved right after an exchange: its weights hold every worker's steps
+        for index in range(8):  # the model's weights, tracked by its optimizer, are the exchange's result
+            weight, anchor = (saved.get_tensor(f"optimizer/{name}/{index}/.ATTRIBUTES/VARIABLE_VALUE")
+                              for name in ("_trainable_variables", "outer/anchors"))
+            assert np.array_equal(weight, anchor)
     assert another_run.is_dir()  # and no other run's folder went with it
     another_run.parent.rename(tmp_path / "kept")
     done = epoch_column(results / f"{run}.csv")

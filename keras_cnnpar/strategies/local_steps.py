@@ -47,9 +47,9 @@ class LocalSteps(MultiWorker):
     sends the weights' bytes once per ``inner_steps`` steps instead of the
     gradient's every step. With ``inner_steps=1``, ``outer="average"`` and SGD
     the step is MultiWorker's. The epoch CSV's ``exchanges`` column counts an
-    epoch's exchanges. The preemption checkpoint keeps the outer momentum and
-    the weights of the last exchange; a resume starts every worker from the
-    chief's weights.
+    epoch's exchanges. A preemption checkpoint comes right after an exchange
+    (the second after the signal): it keeps every worker's steps, the outer
+    momentum and the weights of that exchange.
 
     Start it as :class:`MultiWorker`: ``cnnpar launch --workers N -- python
     script.py``, or ``cnnpar train --strategy local-steps --workers N``.
@@ -179,6 +179,9 @@ outer='average', outer_momentum=0.5
 class LocalStepsRun(MultiWorkerRun):
     """A :class:`LocalSteps` training on this worker: MultiWorker's, with the exchange between its steps."""
 
+    #: The workers step apart; they meet at each exchange, where a preemption checkpoint is saved.
+    steps_together = False
+
     def report(self):
         strategy = self.strategy
         return "\n".join(filter(None, [
@@ -190,7 +193,8 @@ class LocalStepsRun(MultiWorkerRun):
         strategy = self.strategy
         self.start_from_the_chiefs_state()
         exchange = Exchange(strategy._tf_strategy(), self.model, strategy.inner_steps, strategy.outer_lr,
-                            strategy.outer_momentum, strategy.compression)
+                            strategy.outer_momentum, strategy.compression,
+                            then=self.checkpoint.save_if_preempted if self.checkpoint is not None else None)
         exchange.kept_by(self.model.optimizer)  # the checkpoint holds the outer state; a resume restores it here
         return super().fit(train, callbacks=[exchange, *callbacks], **fit_kwargs)
 
@@ -220,11 +224,13 @@ class Exchange(keras.callbacks.Callback):
     mean change is the outer gradient, which an SGD step (Nesterov momentum,
     ``lr``) applies to the weights of the last exchange (the *anchor*); every
     replica continues from the result. The moving statistics are averaged.
-    It adds ``exchanges`` (this epoch's) to the epoch's logs.
+    It adds ``exchanges`` (this epoch's) to the epoch's logs, and calls
+    ``then`` after each exchange, where the workers have met.
     """
 
-    def __init__(self, tf_strategy, model, every, lr, momentum, compression=None):
+    def __init__(self, tf_strategy, model, every, lr, momentum, compression=None, then=None):
         super().__init__()
+        self.then = then or (lambda: None)
         self.tf_strategy, self.every, self.lr, self.momentum = tf_strategy, every, lr, momentum
         self.sent_dtype = tf.bfloat16 if compression == "bfloat16" else None  # None: each in its own dtype
         self.weights = [v.value for v in model.trainable_variables]
@@ -245,6 +251,7 @@ class Exchange(keras.callbacks.Callback):
         if self.steps > self.exchanged_at:
             self._exchange()
             self.exchanged_at, self.count = self.steps, self.count + 1
+            self.then()
 
     def _exchange_now(self):
         changes = [tf.cast(a - w, self.sent_dtype or w.dtype) for a, w in zip(self.anchors, self.weights)]

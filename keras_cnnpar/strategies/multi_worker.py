@@ -283,6 +283,9 @@ class MultiWorker(CheckpointedStrategy):
 class MultiWorkerRun(base.Run):
     """A ``MultiWorker`` training on this worker: the prepared replica and its preemption checkpoint."""
 
+    #: The workers take every step together, so a preemption checkpoint may come after any step.
+    steps_together = True
+
     def report(self):
         strategy = self.strategy
         lines = [f"multi-worker: {strategy.task.num_workers} workers, {strategy.num_replicas} replicas, "
@@ -294,7 +297,7 @@ class MultiWorkerRun(base.Run):
         strategy, task = self.strategy, self.strategy.task
         train, validation = self.inputs(train, validation_data)
         if self.checkpoint is not None:
-            callbacks = [self.checkpoint.callback(), *callbacks]
+            callbacks = [self.checkpoint.callback(each_step=self.steps_together), *callbacks]
         try:
             return self.model.fit(train, validation_data=validation, callbacks=callbacks, shuffle=False,
                                   **fit_kwargs)
@@ -515,7 +518,9 @@ class _PreemptionCheckpoint:
     """A run's preemption checkpoint: the prepared model, its optimizer and the completed epochs.
 
     ``PreemptionCheckpointHandler`` watches for SIGTERM on every worker; the
-    callback lets it save at the end of each step. The chief writes to
+    workers agree on the point to save at, a call of :meth:`save_if_preempted`
+    that comes at the same point of the training on every worker: after each
+    step (the callback's), or where they meet. The chief writes to
     ``directory``, the other workers to temporary folders beside it that are
     removed when they finish.
     """
@@ -538,12 +543,19 @@ class _PreemptionCheckpoint:
             self._run.record_config()
         raise Preempted(self.directory)
 
-    def callback(self):
+    def save_if_preempted(self):
+        """Where a worker was preempted, save when every worker reached the agreed call of this, then stop."""
+        self._handler.save_checkpoint_if_preempted()
+
+    def callback(self, each_step=True):
+        """The callback that counts completed epochs and, with ``each_step``, saves after a step where preempted
+        (workers that step apart call :meth:`save_if_preempted` where they meet instead)."""
         checkpoint = self
 
         class SaveIfPreempted(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
-                checkpoint._handler.save_checkpoint_if_preempted()
+                if each_step:
+                    checkpoint.save_if_preempted()
 
             def on_epoch_end(self, epoch, logs=None):
                 checkpoint._run.epochs.assign(epoch + 1)
