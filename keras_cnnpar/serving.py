@@ -264,7 +264,9 @@ def save_weights(model, path):
 
 
 def load_weights(path, kind=None):
-    """Rebuild the CNN of ``kind`` (default: read from the run file's name) holding the weights in ``path``.
+    """Rebuild the model of ``kind`` (default: read from the run file's name) holding the weights in ``path``:
+    a zoo kind, or the source of a user's model (a ``.keras`` file or ``package.module:function``, as
+    ``zoo.models.from_source`` takes it, for 28x28 grayscale digits in 10 classes).
 
     A file Keras cannot take raises ``ValueError`` in one line: a name without the ``.weights.h5`` suffix (Keras
     reads any other ``.h5`` as a Keras 2 file), a file that is not HDF5 or is cut short, the weights of another
@@ -281,8 +283,9 @@ def load_weights(path, kind=None):
         raise ValueError(f"{path}: expected a file named *.weights.h5, as `cnnpar train` writes them: Keras reads "
                          f"the weights by that suffix (any other .h5 as a Keras 2 model); rename it. "
                          f"Received: weights={path}")
+    model = _built(kind)  # a user's model that does not fit the digits raises its own one-line error
     try:
-        model = _with_weights(kind, path)
+        _load_weights_into(model, path)
     except OSError as error:  # h5py's, in one line: "file signature not found", "truncated file: eof = ..."
         raise ValueError(f"{path}: expected an HDF5 file of weights, as `cnnpar train` writes them, which h5py cannot "
                          f"read. Received: {type(error).__name__}: {' '.join(str(error).split())}") from None
@@ -298,22 +301,27 @@ def load_weights(path, kind=None):
     return model
 
 
-def _with_weights(kind, path):
-    """The CNN of ``kind`` holding the weights in ``path`` (Keras's warnings of what did not fit left out)."""
+def _built(kind):
+    """The compiled model of ``kind``, a zoo kind or a user's model's source, its optimizer built."""
     from keras_cnnpar.zoo import models
 
-    model = models.build(kind)
-    model.optimizer.build(model.trainable_variables)  # the file holds the optimizer state too
+    model = models.build(kind) if kind in MODEL_NAMES else models.from_source(kind)
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)  # the file holds the optimizer state too
+    return model
+
+
+def _load_weights_into(model, path):
+    """Load the weights in ``path`` into ``model`` (Keras's warnings of what did not fit left out)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.load_weights(path)
-    return model
 
 
 def _fits(kind, path):
     """Whether the weights in ``path`` are those of the CNN of ``kind``."""
     try:
-        _with_weights(kind, path)
+        _load_weights_into(_built(kind), path)
     except ValueError:
         return False
     return True

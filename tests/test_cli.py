@@ -2,14 +2,17 @@ import csv
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import click
 import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 from click.testing import CliRunner
 
-from keras_cnnpar import cli
+from keras_cnnpar import cli, serving
 from keras_cnnpar.cli import training
 from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import runs
@@ -356,6 +359,36 @@ def test_train_takes_a_users_keras_file_or_function_and_logs_the_run_under_its_n
     assert f"  model         {name} ({given}, " in result.output
     (row,) = read_rows(tmp_path / "results" / "runs.csv")
     assert row["model"] == name and 0 <= float(row["val_accuracy"]) <= 1
+
+
+@pytest.mark.parametrize("source", ["file", "function"])
+def test_export_takes_the_users_model_its_weights_were_trained_from_and_the_export_predicts_as_it(source, small_csv,
+                                                                                                  tmp_path):
+    if source == "file":
+        small_cnn_for((28, 28, 1)).save(given := str(tmp_path / "mine.keras"))
+        name = "users_cnn"
+    else:
+        given, name = "tests.helpers:build_small_cnn", "small_cnn"
+    trained = run("train", "--model", given, "--epochs", "1", "--data", small_csv, "--results", tmp_path / "results",
+                  "--verbose", "0")
+    assert trained.exit_code == 0, trained.output
+    weights = tmp_path / "results" / f"{name}_keras_tensorflow_single_1dev.weights.h5"
+    exports = tmp_path / "exports"
+    refused = run("export", "--weights", weights, "--out", exports)  # its name is not a zoo model's
+    assert one_line_refusal(refused) == (
+        f"Error: {weights}: cannot tell the model from the file name (a run's weights start with its model's name); "
+        f"give --model: 2+2, 3+3, resnet, or the .keras file or package.module:function it was trained from. "
+        f"Received: --weights {weights}")
+    assert not exports.exists()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        exported = run("export", "--weights", weights, "--model", given, "--out", exports)
+    assert exported.exit_code == 0, exported.output
+    assert exported.stderr == "" and not warned  # nor Keras's warning of a .keras file saved untrained
+    pixels = np.asarray(serving.sample_pixels(), np.float32)
+    served = tf.saved_model.load(str(exports / "1")).signatures["serving_default"](pixels=tf.constant(pixels))
+    expected = serving.load_weights(weights, given).predict(pixels.reshape(-1, 28, 28, 1) / 255.0, verbose=0)
+    np.testing.assert_allclose(served["probabilities"].numpy(), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("model, message", [

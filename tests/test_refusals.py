@@ -510,7 +510,8 @@ def test_export_refuses_weights_it_cannot_load_in_one_short_line(weights_3_3, tm
         path = tmp_path / "mymodel.weights.h5"
         path.write_bytes(content)
         expected = ("cannot tell the model from the file name (a run's weights start with its model's name); give "
-                    f"--model 2+2, 3+3 or resnet. Received: --weights {path}")
+                    f"--model: 2+2, 3+3, resnet, or the .keras file or package.module:function it was trained from. "
+                    f"Received: --weights {path}")
     else:
         path = tmp_path / weights_3_3.name.replace(".weights.h5", ".h5")
         path.write_bytes(content)

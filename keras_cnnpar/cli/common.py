@@ -59,7 +59,10 @@ class Refused(click.ClickException):
 
 
 def model_source(context, parameter, source):
-    """``--model``'s value, its form checked before anything starts (``zoo.names.check_model_source``)."""
+    """``--model``'s value, its form checked before anything starts (``zoo.names.check_model_source``); None
+    where it is not given and has no default."""
+    if source is None:
+        return None
     try:
         check_model_source(source)
     except ValueError as error:

@@ -9,6 +9,7 @@ from keras_cnnpar.cli.common import (
     MODELS,
     Refused,
     check_writable,
+    model_source,
     not_written,
     quiet_tensorflow,
     refuse_an_input_as_output,
@@ -20,8 +21,9 @@ from keras_cnnpar.results import runs
 @click.command("export")
 @click.option("--weights", type=click.Path(dir_okay=False), required=True,
               help="A run's weights, RESULTS/<run>.weights.h5, as `cnnpar train` writes them.")
-@click.option("--model", "model_kind", type=click.Choice(MODELS), default=None,
-              help="The model of the weights; default: read from the file name.")
+@click.option("--model", "model_kind", metavar="MODEL", default=None, callback=model_source,
+              help="The model of the weights: 2+2, 3+3, resnet, or the .keras file or package.module:function it "
+                   "was trained from (for 28x28 grayscale digits); default: read from the file name.")
 @click.option("--out", "base_dir", type=click.Path(file_okay=False), required=True,
               help="Base folder of the model, e.g. models/digits (TF Serving's --model_base_path).")
 @click.option("--version", type=click.IntRange(min=1), default=None,
@@ -37,7 +39,8 @@ def export_command(weights, model_kind, base_dir, version, force):
         refuse_existing_version(base_dir, version)
     if model_kind is None and runs.kind_of(weights) is None:
         raise Refused(f"{weights}: cannot tell the model from the file name (a run's weights start with its model's "
-                      f"name); give --model {', '.join(MODELS[:-1])} or {MODELS[-1]}. Received: --weights {weights}")
+                      f"name); give --model: {', '.join(MODELS)}, or the .keras file or package.module:function it "
+                      f"was trained from. Received: --weights {weights}")
     quiet_tensorflow()
     from keras_cnnpar import serving
 

@@ -12,6 +12,7 @@ Example:
 """
 
 import importlib
+import warnings
 
 import keras
 from keras import layers
@@ -61,7 +62,9 @@ def from_source(source, *, input_shape=(28, 28, 1), num_classes=10):
 
 def _loaded(path):
     try:
-        return keras.saving.load_model(path)
+        with warnings.catch_warnings():  # a model saved untrained has no optimizer state: Keras warns, we build it
+            warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+            return keras.saving.load_model(path)
     except Exception as error:  # Keras raises many kinds for a file it cannot read
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"{path}: Keras could not load it as a model ({first}); for a model of custom layers, "
