@@ -1,7 +1,7 @@
 """``strategy="auto"`` against its plan: the chosen configuration, trained in a separate measured run, against
 the fastest throughput the plan measured (target: within 10%).
 
-For each model kind: ``cnnpar.planner.choose`` on 2 devices (a fresh plan: the cache goes to a temporary
+For each model kind: ``keras_cnnpar.plan.planner.choose`` on 2 devices (a fresh plan: the cache goes to a temporary
 folder), then the chosen strategy trains ``--epochs`` epochs of the 4,000-digit split at batch 64; its images/s
 is the median of the epochs after the first.
 

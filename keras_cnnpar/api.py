@@ -45,8 +45,8 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         x, y: images and integer labels (numpy arrays), or a batched dataset as ``x``.
         strategy: a strategy object or an alias such as ``"single"`` or ``"mirrored"``; ``"auto"`` measures the
             configurations the logical devices allow on this model and data and trains with the fastest whose
-            first step matches Single's (``cnnpar.planner``; the plan is cached). The choice and the runner-up
-            are printed and logged, the plan is ``history.plan`` and the strategy ``history.strategy``. In a
+            first step matches Single's (``keras_cnnpar.plan.planner``; the plan is cached). The choice and the
+            runner-up are printed and logged, the plan is ``history.plan`` and the strategy ``history.strategy``. In a
             process that joined a cluster of hosts (``cnnpar launch``, ``srun``), ``"auto"`` measures across
             the hosts and trains multi-worker, or single on the chief (``cnnpar.strategies.SingleOnChief``).
         resume: continue an interrupted run from the strategy's checkpoint
@@ -70,7 +70,7 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
             runs before as they were, and raises ``keras_cnnpar.results.callbacks.RunNotRecorded``.
         batch_size: the **global** batch (default 32); each strategy says how it splits it.
         callbacks: Keras callbacks, run against ``model`` (``self.model`` is the user's model, which holds
-            each completed epoch's weights; see ``cnnpar.user_callbacks``).
+            each completed epoch's weights; see ``keras_cnnpar.engine.user_callbacks``).
         epochs, validation_data, validation_split, shuffle, initial_epoch,
         **fit_kwargs: as in ``keras.Model.fit``.
     """

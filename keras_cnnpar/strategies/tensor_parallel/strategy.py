@@ -32,7 +32,7 @@ class ChannelSharded(Strategy):
     activations and merges between convolutions need no communication; the
     Dense layers alternate column and row mode (output or input channels
     sharded, partial sums all-reduced), as Megatron pairs its layers
-    (``cnnpar.sharded.ShardedModel``). Every weight and every optimizer slot
+    (``keras_cnnpar.strategies.tensor_parallel.ShardedModel``). Every weight and every optimizer slot
     is a DVariable laid out like its kernel, so each device holds about
     ``1/devices`` of the parameters at rest. A training step is
     one ``tf.function``; the loss and metrics are computed from its
