@@ -5,6 +5,7 @@ import signal
 import sys
 import time
 
+import keras
 import pytest
 from click.testing import CliRunner
 
@@ -79,6 +80,38 @@ def test_a_small_sweep_writes_every_run_and_report_renders_from_them(small_csv, 
     assert "| model | strategy | devices |" in (results / "summary.md").read_text()
     for plot in ("accuracy.png", "throughput.png", "speedup.png", "efficiency.png"):
         assert (results / plot).stat().st_size > 1000
+
+
+def test_a_sweep_takes_users_models_by_file_and_function_and_resumes_them(small_csv, tmp_path):
+    """Each configuration's process builds the user's model as ``cnnpar train --model`` does (the function's module
+    found from the current folder); runs.csv names each run by its model's name, so a second sweep finds them."""
+    users = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(), keras.layers.Dense(10, "softmax")],
+                             name="users_dense")
+    users.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    users.save(given := str(tmp_path / "mine.keras"))
+    results = tmp_path / "results"
+    sweep = ["sweep", "--models", f"{given},tests.helpers:build_small_cnn", "--strategies", "single", "--devices", "1",
+             "--epochs", "1", "--batch-size", "32", "--data", str(small_csv), "--results", str(results)]
+    done = CliRunner().invoke(cli.main, sweep)
+    assert done.exit_code == 0, done.output[-2000:]
+    assert sorted((r["model"], r["strategy"]) for r in read(results / "runs.csv")) == [
+        ("small_cnn", "single"), ("users_dense", "single")]
+    again = CliRunner().invoke(cli.main, sweep)
+    assert again.exit_code == 0, again.output[-2000:]
+    assert [r["status"] for r in read(results / "sweep.csv")] == ["done"] * 2 + ["already complete"] * 2
+
+
+def test_a_sweep_refuses_a_users_model_that_does_not_fit_the_data_before_any_configuration_runs(small_csv, tmp_path):
+    rgb = keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(), keras.layers.Dense(10, "softmax")])
+    rgb.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    rgb.save(given := str(tmp_path / "rgb.keras"))
+    result = CliRunner().invoke(cli.main, ["sweep", "--models", f"2+2,{given}", "--strategies", "single", "--devices",
+                                           "1", "--data", str(small_csv), "--results", str(tmp_path / "results")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"Error: {given} takes inputs of shape (32, 32, 3), the data's are (28, 28, 1); give data of its shape or a "
+        f"model of the data's. Received: --model {given}"]
+    assert not (tmp_path / "results").exists()
 
 
 def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):

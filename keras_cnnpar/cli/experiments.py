@@ -5,9 +5,19 @@ import time
 
 import click
 
-from keras_cnnpar.cli.common import MODELS, PRECISION, Refused, check_writable, not_written
+from keras_cnnpar.cli.common import (
+    MODELS,
+    PRECISION,
+    Refused,
+    check_writable,
+    model_from_source,
+    model_source,
+    not_written,
+    quiet_tensorflow,
+)
 from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
+from keras_cnnpar.zoo.names import MODEL_NAMES
 
 
 def _csv_list(kind, choices=None, minimum=None):
@@ -30,9 +40,15 @@ def _csv_list(kind, choices=None, minimum=None):
     return parse
 
 
+def _model_sources(ctx, param, value):
+    """``--models``: a comma-separated list, each as ``--model`` of ``cnnpar train`` takes it (its form checked)."""
+    return [model_source(ctx, param, source) for source in _csv_list(str)(ctx, param, value)]
+
+
 @click.command()
-@click.option("--models", "model_kinds", default=",".join(MODELS), show_default=True, callback=_csv_list(str, MODELS),
-              help="Comma-separated model kinds.")
+@click.option("--models", "model_kinds", default=",".join(MODELS), show_default=True, callback=_model_sources,
+              help="Comma-separated models, each as --model of `cnnpar train` takes it: 2+2, 3+3, resnet, a .keras "
+                   "file or package.module:function.")
 @click.option("--strategies", "strategy_names", default="single,mirrored,async-ps,layers,channels,hybrid",
               show_default=True, callback=_csv_list(str, registry.names), help="Comma-separated strategy names.")
 @click.option("--devices", "device_counts", default="1,2,4", show_default=True, callback=_csv_list(int, minimum=1),
@@ -55,13 +71,14 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
     """
     from keras_cnnpar.plan import experiments
 
+    names = _model_names(model_kinds, source)
     configs, skipped = experiments.plan(model_kinds, strategy_names, device_counts)
     for reason in skipped:
         click.echo(f"skip {reason}")
     failed = []
     with click.progressbar(configs, label="sweep", item_show_func=lambda c: str(c) if c else "") as bar:
         for config in bar:
-            if experiments.completed(config, results_dir, epochs, batch_size):
+            if experiments.completed(config, names[config.model], results_dir, epochs, batch_size):
                 experiments.record(results_dir, config, "already complete", 0.0)
                 continue
             started = time.perf_counter()
@@ -81,6 +98,22 @@ def sweep(model_kinds, strategy_names, device_counts, epochs, batch_size, source
                f"{len(failed)} failed (see sweep.csv)")
     if failed:
         sys.exit(1)
+
+
+def _model_names(sources, data_source):
+    """``{source: the Keras name of its model}``, the name its runs have in runs.csv. A user's model is built
+    here, once, for the data: one that does not fit it is refused in one line before any configuration runs."""
+    names = {source: MODEL_NAMES[source] for source in sources if source in MODEL_NAMES}
+    if len(names) < len(sources):
+        quiet_tensorflow()
+        from keras_cnnpar.zoo import data as data_lib
+
+        try:
+            digits = data_lib.load(data_source)
+        except data_lib.DataError as error:
+            raise click.BadParameter(str(error), param_hint="--data") from None
+        names.update({source: model_from_source(source, digits).name for source in sources if source not in names})
+    return names
 
 
 @click.command()

@@ -32,7 +32,6 @@ from keras_cnnpar.results import runs
 from keras_cnnpar.runtime.atomic import write_together
 from keras_cnnpar.runtime.subprocesses import dying_with_parent, python_command
 from keras_cnnpar.strategies import registry
-from keras_cnnpar.zoo.names import MODEL_NAMES
 
 #: Summary columns, in order.
 SUMMARY_COLUMNS = ["model", "strategy", "devices", "images_per_second", "speedup", "efficiency", "val_accuracy",
@@ -77,10 +76,11 @@ def plan(model_kinds, strategy_names, device_counts):
     return valid, skipped
 
 
-def completed(config, results_dir, epochs, batch_size):
-    """Whether ``runs.csv`` holds a finished run of ``config`` with these epochs and batch."""
+def completed(config, model_name, results_dir, epochs, batch_size):
+    """Whether ``runs.csv`` holds a finished run of ``config``, whose model is named ``model_name``, with these
+    epochs and batch."""
     rows = runs.read_csv(Path(results_dir) / runs.RUNS_CSV)
-    return any(r["model"] == MODEL_NAMES[config.model] and r["strategy"] == config.strategy
+    return any(r["model"] == model_name and r["strategy"] == config.strategy
                and r["devices"] == str(config.devices) and r["global_batch"] == str(batch_size)
                and r["epochs"] == str(epochs) for r in rows)
 

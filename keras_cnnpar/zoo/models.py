@@ -12,6 +12,8 @@ Example:
 """
 
 import importlib
+import os
+import sys
 import warnings
 
 import keras
@@ -74,6 +76,8 @@ def _loaded(path):
 
 def _built(source):
     module_name, _, function_name = source.partition(":")
+    if os.getcwd() not in sys.path:  # the user's module in the current folder, as uvicorn and gunicorn find theirs
+        sys.path.insert(0, os.getcwd())
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
