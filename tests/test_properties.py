@@ -6,6 +6,7 @@ the same on every machine and every day.
 """
 
 import ast
+import functools
 import json
 import math
 import re
@@ -14,13 +15,17 @@ import sys
 import warnings
 
 import click
+import numpy as np
 import pytest
+import tensorflow as tf
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from keras_cnnpar.cli.training import _strategy_options
 from keras_cnnpar.cluster import environments, network, spec, traffic
 from keras_cnnpar.strategies import arguments
+from keras_cnnpar.strategies.async_ps import run as async_run
+from keras_cnnpar.zoo import data
 
 #: One verdict on any machine: the same examples each run, no time limit, nothing remembered between runs.
 PROPERTY = settings(derandomize=True, deadline=None, max_examples=100, database=None)
@@ -592,3 +597,90 @@ def test_every_option_pair_is_a_literal_or_its_text_or_a_one_line_usage_error_na
         name, _, text = pair.partition("=")
         value = options[name]
         assert value == text or value == ast.literal_eval(text)
+
+
+# The slices and groups of an AsyncPS epoch (strategies/async_ps/run.py)
+
+
+@PROPERTY
+@given(size=st.integers(1, 10_000), slices=st.integers(1, 64))
+def test_a_batch_is_cut_into_slices_that_hold_each_example_once_none_empty_within_one_of_each_other(size, slices):
+    sizes = async_run._slice_sizes(size, slices)
+    assert sum(sizes) == size and len(sizes) == min(size, slices)
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@PROPERTY
+@given(slices=st.one_of(st.none(), st.integers(1, 10**6)), workers=st.integers(1, 10**4),
+       batch_size=st.one_of(st.none(), st.integers(1, 10**5)))
+def test_a_batch_is_trained_in_the_slices_asked_for_or_in_as_few_as_keep_batches_in_flight_bounded(slices, workers,
+                                                                                                     batch_size):
+    got = async_run.batch_slices(slices, workers, batch_size)
+    assert got >= 1 and (batch_size is None or got <= batch_size)  # a slice holds an example at least
+    if slices is not None:
+        assert got == (slices if batch_size is None else min(slices, batch_size))
+    elif batch_size is None or got < batch_size:  # whole batches in flight: at most BATCHES_IN_FLIGHT, no fewer
+        in_flight = async_run.BATCHES_IN_FLIGHT
+        assert workers / got <= in_flight and (got == 1 or workers / (got - 1) > in_flight)
+
+
+@PROPERTY
+@given(steps_per_execution=st.integers(1, 64), steps=st.integers(1, 10**5), workers=st.integers(1, 1000))
+def test_an_epoch_is_scheduled_in_groups_no_larger_than_asked_that_leave_no_worker_without_one(steps_per_execution,
+                                                                                                steps, workers):
+    group = async_run.steps_per_group(steps_per_execution, steps, workers)
+    assert 1 <= group <= steps_per_execution
+    assert math.ceil(steps / group) >= min(workers, steps)  # as many groups as workers, where the steps allow
+
+
+@settings(PROPERTY, max_examples=25)
+@given(batch_sizes=st.lists(st.integers(1, 9), min_size=1, max_size=5), slices=st.integers(1, 5))
+def test_an_indexed_epoch_gives_every_example_once_in_order_and_each_batchs_slices_share_it_whole(batch_sizes,
+                                                                                                   slices):
+    examples = np.arange(sum(batch_sizes))
+    parts = np.split(examples, np.cumsum(batch_sizes)[:-1])
+    batches = functools.reduce(lambda a, b: a.concatenate(b),
+                               [tf.data.Dataset.from_tensors((part, -part)) for part in parts])
+    indexed = async_run._IndexedBatches(batches, slices)
+    epoch = next(iter(indexed.dataset()))
+    steps = [async_run._IndexedBatches.batch(epoch, i) for i in range(len(indexed.sizes))]
+    seen = np.concatenate([x.numpy() for (x, _), _ in steps])
+    assert seen.tolist() == examples.tolist()  # every example once, in order
+    assert all(np.array_equal(y.numpy(), -x.numpy()) for (x, y), _ in steps)  # each with its own label
+    shares = [float(share) for _, share in steps]
+    first = 0
+    for size in batch_sizes:  # each batch's slices: its examples cut as evenly as can be, their shares summing to 1
+        count = min(size, slices)
+        assert math.isclose(sum(shares[first:first + count]), 1.0, rel_tol=1e-6)
+        first += count
+    assert first == len(steps)
+
+
+# The Kaggle CSV reader (zoo/data.py)
+
+#: A labeled Kaggle table of 3 rows (label, then 784 pixels), the same on every run.
+KAGGLE_ROWS = np.concatenate([np.random.default_rng(0).integers(0, 10, (3, 1)),
+                              np.random.default_rng(1).integers(0, 256, (3, data.PIXELS))], axis=1)
+
+
+@settings(PROPERTY, max_examples=80)
+@given(row=st.integers(0, 2), column=st.sampled_from([0, 1, 2, 400, data.PIXELS]),
+       text=st.one_of(TYPED, st.integers(-300, 300).map(str),
+                      st.sampled_from(["12.0", "255.0", "256", "-1", "1e2", " 7", "", "nan", "0x10", "9", "10"])))
+def test_a_kaggle_csv_with_any_one_value_rewritten_is_read_as_numbers_or_refused_naming_its_file_and_line(
+        tmp_path_factory, row, column, text):
+    cells = KAGGLE_ROWS.astype(str).astype(object)
+    cells[row, column] = text
+    path = tmp_path_factory.mktemp("kaggle") / "train.csv"
+    path.write_text(",".join(data.TRAIN_HEADER) + "\n" + "".join(",".join(line) + "\n" for line in cells))
+    try:
+        pixels, labels = data.read_kaggle_csv(path, labeled=True)
+    except data.DataError as error:
+        message = str(error)
+        assert "\n" not in message and message.startswith(f"{path}, line {row + 2}"), message
+        return
+    read = np.concatenate([labels[:, None], pixels], axis=1).astype(np.int64)
+    expected = KAGGLE_ROWS.copy()
+    expected[row, column] = read[row, column]
+    assert np.array_equal(read, expected)  # every other value as written
+    assert float(text) == read[row, column] <= (9 if column == 0 else 255)  # this one a number written otherwise
