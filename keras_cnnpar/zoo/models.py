@@ -42,9 +42,9 @@ def cnn(kind="2+2", *, input_shape=(28, 28, 1), num_classes=10):
 def from_source(source, *, input_shape=(28, 28, 1), num_classes=10):
     """The compiled model that ``source`` names, its ``fit`` accepting ``strategy=``: a zoo kind (:func:`cnn`), a
     ``.keras`` file that ``keras.saving.load_model`` reads (its custom objects registered), or
-    ``package.module:function``, a function that takes no arguments and returns a compiled Keras model. It must
-    take images of ``input_shape`` and give ``num_classes`` outputs; a ``ValueError`` says in one line what does
-    not fit.
+    ``package.module:function`` (its module found from the current folder or the Python path), a function that
+    takes no arguments and returns a compiled Keras model. It must take images of ``input_shape`` and give
+    ``num_classes`` outputs; a ``ValueError`` says in one line what does not fit.
 
     >>> from_source("3+3").name
     'cnn2d_3layer_fullconnected_3layer'
