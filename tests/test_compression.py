@@ -107,6 +107,26 @@ def test_powersgd_trains_a_step_near_single_and_says_how_it_differs(batch):
     assert check.verdict == "FAIL (expected: gradients compressed by PowerSGD of rank 4)"
 
 
+@pytest.mark.parametrize("options, changes", [
+    ({"compression": "powersgd", "powersgd_rank": 2}, compression.changes("powersgd", 2)),
+    ({"compression": "bfloat16"}, compression.changes("bfloat16")),
+    ({"accumulate": 2}, "accumulate=2: each update the mean gradient of 2 batches, 2 times Single's: another training"),
+])
+def test_a_run_that_trains_differently_from_single_says_how_and_at_what_measured_cost_in_its_log(batch, tmp_path,
+                                                                                                options, changes):
+    cnnpar.fit(build_small_cnn(), *batch, batch_size=32, strategy=cnnpar.DataParallel(2, **options),
+               results_dir=tmp_path, verbose=0)
+    assert changes in (tmp_path / "results.log").read_text()
+    assert "Single's" in changes and ("docs/slow_links.md" in changes or "another training" in changes)
+
+
+def test_a_run_that_trains_as_single_says_nothing_of_changes_in_its_log(batch, tmp_path):
+    cnnpar.fit(build_small_cnn(), *batch, batch_size=32, strategy=cnnpar.DataParallel(2), results_dir=tmp_path,
+               verbose=0)
+    logged = (tmp_path / "results.log").read_text()
+    assert "compression=" not in logged and "accumulate=" not in logged and "another training" not in logged
+
+
 @pytest.mark.parametrize("options, message", [
     ({"compression": "float16"}, "compression must be None, 'bfloat16' or 'powersgd'. Received: "
                                  "compression='float16'"),

@@ -21,6 +21,7 @@ from keras_cnnpar.cluster import spec as cluster
 from keras_cnnpar.cluster import traffic
 from keras_cnnpar.plan import scaling
 from keras_cnnpar.results import runs
+from keras_cnnpar.strategies import compression
 from keras_cnnpar.zoo import models
 from keras_cnnpar.zoo.names import MODEL_NAMES
 from tests import hosts
@@ -125,9 +126,8 @@ def test_plan_on_two_hosts_ranks_single_and_multi_worker_measured_beside_their_p
         "async-ps, 2 workers + ps", "local-steps, 2 hosts", "multi-worker, 2 hosts", "multi-worker, 2 hosts",
         "multi-worker, 2 hosts, bfloat16", "multi-worker, 2 hosts, powersgd r=4", "single, 1 host"]
     advice = {row["configuration"]: row["advice"] for row in rows}  # what each changes in the training
-    assert advice["multi-worker, 2 hosts, bfloat16"] == scaling.BFLOAT16_CHANGES
-    assert advice["multi-worker, 2 hosts, powersgd r=4"] == \
-        scaling.powersgd_changes(4)
+    assert advice["multi-worker, 2 hosts, bfloat16"] == compression.changes("bfloat16")
+    assert advice["multi-worker, 2 hosts, powersgd r=4"] == compression.changes("powersgd", 4)
     asynchronous = next(row for row in rows if row["configuration"].startswith("async-ps"))
     assert float(asynchronous["images_per_second"]) > 0 and float(asynchronous["predicted_images_per_second"]) > 0
     synced = next(row for row in rows if row["configuration"] == "multi-worker, 2 hosts")

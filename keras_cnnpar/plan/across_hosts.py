@@ -221,9 +221,9 @@ def _compressed_rows(model, x, y, strategy, step, link, transport, batch_size, p
     hosts, rank = strategy.task.num_workers, arguments.POWERSGD_RANK
     floats = compression.sent_floats([v.shape for v in model.trainable_variables], rank)
     trials = [("bfloat16", {"compression": "bfloat16"}, scaling.gradient_bytes(model) / 2, 1,
-               scaling.BFLOAT16_CHANGES),
+               compression.changes("bfloat16")),
               (f"powersgd r={rank}", {"compression": "powersgd", "powersgd_rank": rank}, 4 * floats, 2,
-               scaling.powersgd_changes(rank))]
+               compression.changes("powersgd", rank))]
     rows = []
     for label, options, sent, all_reduces, changes in trials:
         log(f"plan: trying multi-worker on {hosts} hosts, its gradients in {label}")

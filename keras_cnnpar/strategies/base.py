@@ -502,7 +502,17 @@ class Run:
 
     def report(self):
         """Text that describes the prepared layout (printed and logged before training), or None."""
-        return self.resumed_line()
+        return "\n".join(line for line in (self.changes_line(), self.resumed_line()) if line) or None
+
+    def changes_line(self):
+        """The report's line on how the strategy's options make this run train differently from Single (its
+        gradients compressed, its batches accumulated), with the measured cost; None where they do not."""
+        strategy, lines = self.strategy, []
+        if strategy.accumulate > 1:
+            lines.append(f"accumulate={strategy.accumulate}: each update the mean gradient of {strategy.accumulate} "
+                         f"batches, {strategy.accumulate} times Single's: another training")
+        lines.append(compression.changes(strategy.compression, strategy.powersgd_rank))
+        return "; ".join(line for line in lines if line) or None
 
     def resume_epoch(self, initial_epoch):
         """The epoch to start at: ``initial_epoch``, or later when a checkpoint was restored."""

@@ -290,7 +290,7 @@ class MultiWorkerRun(base.Run):
         strategy = self.strategy
         lines = [f"multi-worker: {strategy.task.num_workers} workers, {strategy.num_replicas} replicas, "
                  f"this is {strategy.task.type} {strategy.task.index}{' (chief)' if strategy.is_chief else ''}",
-                 self.resumed_line()]
+                 self.changes_line(), self.resumed_line()]
         return "\n".join(line for line in lines if line)
 
     def fit(self, train, *, validation_data=None, callbacks=(), **fit_kwargs):
