@@ -787,7 +787,9 @@ def test_the_room_check_refuses_one_byte_more_than_is_free_naming_both(tmp_path,
 def test_the_umask_is_read_where_linux_shows_it_else_set_and_restored(monkeypatch):
     mask = os.umask(0o027)
     try:
-        assert atomic.umask() == 0o027
+        with monkeypatch.context() as patched:  # read, not set: a thread creating a file meanwhile keeps its mask
+            patched.setattr(os, "umask", lambda mask: pytest.fail("the umask was set to be read"))
+            assert atomic.umask() == 0o027
         monkeypatch.setattr(atomic, "Path", lambda path: (_ for _ in ()).throw(OSError(errno.ENOENT, path)))
         assert atomic.umask() == 0o027 and os.umask(0o027) == 0o027  # and left as it was
     finally:
@@ -798,12 +800,14 @@ def test_a_probe_names_the_folder_it_could_not_create_in_a_file_on_the_way_or_a_
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError) as raised:
         atomic.probe_folder(tmp_path / "file" / "sub")
-    assert (raised.value.errno, raised.value.filename) == (errno.ENOTDIR, str(tmp_path / "file"))
+    assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+        errno.ENOTDIR, "Not a directory", str(tmp_path / "file"))
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError):
         atomic.probe_folder(tmp_path / "dangling" / "sub")
     with pytest.raises(OSError) as raised:
         atomic.probe_folder("/proc/sys/cnnpar")  # nothing can be created there, even by root
-    assert raised.value.filename == "/proc/sys"
+    assert (type(raised.value), raised.value.errno, raised.value.strerror, raised.value.filename) == (
+        FileNotFoundError, errno.ENOENT, "No such file or directory", "/proc/sys")  # the folder, not the probe
     atomic.probe_folder(tmp_path / "new" / "deeper")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"]
