@@ -85,6 +85,20 @@ SELECTION = {
             "a_plugin_that_fails_to_import_is_left_out_with_a_one_line_warning_and_loaded_once")),
         "tests/test_strategies.py::test_every_registered_alias_names_a_strategy_class_that_declares_it",
         "tests/test_strategies.py::test_unknown_alias_lists_the_valid_names", "keras_cnnpar/strategies/registry.py"],
+    "keras_cnnpar/results/checkpoints.py": [
+        # The tests of RunCheckpoint itself, on the small CNN; not the preemption's (a cluster of processes).
+        *(f"tests/test_multi_worker.py::test_{name}" for name in (
+            "an_existing_checkpoint_needs_resume", "resuming_with_another_configuration_refuses_and_names_each_"
+            "difference", "an_elastic_resume_accepts_another_worker_count_says_so_and_still_refuses_other_data",
+            "a_checkpoint_records_its_configuration_sorted_and_a_failed_save_keeps_the_previous_epoch",
+            "a_preemption_checkpoint_alone_is_a_checkpoint_that_needs_resume",
+            "a_resume_beside_a_checkpoint_of_the_same_settings_names_the_folders_name_as_the_difference",
+            "removing_a_runs_checkpoint_removes_its_parent_only_when_no_other_run_is_left")),
+        *(f"tests/test_refusals.py::test_{name}" for name in (
+            "resume_of_another_configuration_names_the_checkpoint_found_and_the_difference",
+            "a_resume_with_nothing_to_resume_says_so_in_one_warning_and_starts_anew")),
+        "tests/test_logging.py::test_tensorflows_warning_that_its_own_checkpoint_saver_retraced_is_not_shown",
+        "keras_cnnpar/results/checkpoints.py"],
 }
 
 #: pytest as the suite runs it, less what a mutant run must not do: no xdist workers (mutmut forks one process per
