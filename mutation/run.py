@@ -99,6 +99,7 @@ SELECTION = {
             "a_resume_with_nothing_to_resume_says_so_in_one_warning_and_starts_anew")),
         "tests/test_logging.py::test_tensorflows_warning_that_its_own_checkpoint_saver_retraced_is_not_shown",
         "keras_cnnpar/results/checkpoints.py"],
+    "keras_cnnpar/strategies/memory.py": ["tests/test_memory.py", "keras_cnnpar/strategies/memory.py"],
 }
 
 #: pytest as the suite runs it, less what a mutant run must not do: no xdist workers (mutmut forks one process per
