@@ -128,6 +128,8 @@ def test_an_empty_tf_config_is_no_cluster_and_resolve_says_how_to_give_one(envir
                                                      "node[01-04],gpu7. Received: SLURM_STEP_NODELIST='node[10-9]'"),
     ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x2"}, "SLURM_STEP_TASKS_PER_NODE: expected tasks per node as "
                                                      "2(x3),1. Received: SLURM_STEP_TASKS_PER_NODE='2(x2'"),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x00),2,1"}, "SLURM_STEP_TASKS_PER_NODE: expected tasks per node as "
+                                                          "2(x3),1. Received: SLURM_STEP_TASKS_PER_NODE='2(x00),2,1'"),
     ({key: value for key, value in SLURM.items() if key != "SLURM_STEP_TASKS_PER_NODE"},
      "SLURM_STEP_TASKS_PER_NODE: expected tasks per node as 2(x3),1. Received: SLURM_STEP_TASKS_PER_NODE=''"),
     ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"},
@@ -229,3 +231,121 @@ def test_a_tf_config_whose_task_index_is_outside_its_job_is_refused_naming_the_j
         environments.detect().task()
     assert str(raised.value) == f"TF_CONFIG: task index 2 is outside job 'worker', which has 2 tasks. Received: " \
                                 f"task={task!r}"
+
+
+def test_the_base_environment_describes_no_cluster_and_each_kind_names_itself(environ):
+    environ(**TF_CONFIG, **SLURM, **KUBERNETES)
+    base = environments.ClusterEnvironment()
+    assert not environments.ClusterEnvironment.detect() and not environments.ClusterEnvironment.detect({"X": "1"})
+    assert base.assign_devices() is None and repr(base) == "<ClusterEnvironment: the cluster environment>"
+    with pytest.raises(NotImplementedError):
+        base.tf_config()
+    assert [repr(kind({})) for kind in environments.ENVIRONMENTS] == [
+        "<TFConfig: TF_CONFIG>", "<Slurm: the Slurm job step>",
+        "<KubernetesIndexedJob: the Kubernetes Indexed Job>"]
+    assert [kind.detect(dict.fromkeys(some, "1")) for kind in environments.ENVIRONMENTS
+            for some in (kind.detected_by[:-1], kind.detected_by[1:])] == [False] * 6  # every marking variable
+
+
+def test_the_last_slurm_task_is_in_the_step_and_its_ranks_fill_each_node_in_turn(environ):
+    environ(**{**SLURM, "SLURM_PROCID": "4", "SLURM_NTASKS": "5"})
+    assert environments.detect().task().index == 4
+    for rank, share in enumerate(["0,1", "2,3", "0,1", "2,3", "0,1"]):  # node9: 0-1, node10: 2-3, gpu7: 4
+        environ(**{**SLURM, "SLURM_PROCID": str(rank), "CUDA_VISIBLE_DEVICES": " 0, 1,,2 ,3"})
+        os.environ.pop("CNNPAR_SLURM_NODE_GPUS", None)
+        environments.detect().assign_devices()
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == share
+        assert os.environ["CNNPAR_SLURM_NODE_GPUS"] == "0,1,2,3"
+
+
+def test_a_slurm_nodes_gpus_are_nvidia_smis_where_cuda_visible_devices_is_unset(environ, tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --list-gpus ] && printf 'GPU 0: A (UUID: 1)\\nGPU 1: A (UUID: 2)\\n"
+                   "GPU 2: A (UUID: 3)\\nnot a GPU\\n'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    environ(SLURM_PROCID="1", SLURM_STEP_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="3")
+    environments.detect().assign_devices()
+    assert (os.environ["CUDA_VISIBLE_DEVICES"], os.environ["CNNPAR_SLURM_NODE_GPUS"]) == ("1", "0,1,2")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi: a node without GPUs, left as it is
+    environ(SLURM_PROCID="1", SLURM_STEP_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="3")
+    for name in ("CUDA_VISIBLE_DEVICES", "CNNPAR_SLURM_NODE_GPUS"):
+        monkeypatch.delenv(name)
+    environments.detect().assign_devices()
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ and "CNNPAR_SLURM_NODE_GPUS" not in os.environ
+
+
+def test_a_pod_without_hostname_takes_the_job_from_its_host_name(environ, monkeypatch):
+    environ(**{key: value for key, value in KUBERNETES.items() if key != "HOSTNAME"})
+    monkeypatch.setattr(environments.socket, "gethostname", lambda: "train-2")
+    assert environments.detect().chief() == "train-0.workers:8888"
+
+
+@pytest.mark.parametrize("hostname", ["-2", "train2", "train-02"])
+def test_a_pods_host_name_must_be_its_job_a_dash_and_its_index(environ, hostname):
+    environ(**{**KUBERNETES, "HOSTNAME": hostname})
+    with pytest.raises(ValueError) as raised:
+        environments.detect().task()
+    assert str(raised.value) == (f"HOSTNAME: expected the host name <job>-<index> that an Indexed Job gives its pods. "
+                                 f"Received: HOSTNAME={hostname!r}, JOB_COMPLETION_INDEX='2'")
+
+
+@pytest.mark.parametrize("service, taken", [("w", True), ("w-1", True), ("0a", True), ("Workers", False),
+                                            ("-w", False), ("w-", False), ("w_1", False)])
+def test_a_service_is_a_dns_label_of_lowercase_letters_digits_and_inner_dashes(environ, service, taken):
+    environ(**{**KUBERNETES, "CNNPAR_K8S_SERVICE": service})
+    if taken:
+        assert environments.detect().chief() == f"train-0.{service}:8888"
+        return
+    with pytest.raises(ValueError, match=rf"^CNNPAR_K8S_SERVICE: expected the name of the headless Service .* "
+                                         rf"Received: CNNPAR_K8S_SERVICE='{service}'$"):
+        environments.detect().task()
+
+
+@pytest.mark.parametrize("text, high, expected", [
+    ("", None, 7), ("0", None, "expected an int >= 1"), ("1", None, 1), ("65535", 65535, 65535),
+    ("65536", 65535, "expected an int in 1..65535"), ("0" * 30 + "8", 65535, 8),
+    ("9" * 19, None, "expected an int >= 1"), ("9" * 18, None, 10**18 - 1), ("٣", None, "expected an int >= 1"),
+    ("+5", None, "expected an int >= 1"),
+])
+def test_a_variables_int_is_its_ascii_digits_within_its_bounds_or_a_refusal_naming_them(text, high, expected):
+    if isinstance(expected, int):
+        assert environments._int({"CNNPAR_X": text}, "CNNPAR_X", 7, low=1, high=high) == expected
+        return
+    with pytest.raises(ValueError) as raised:
+        environments._int({"CNNPAR_X": text}, "CNNPAR_X", 7, low=1, high=high)
+    assert str(raised.value) == f"CNNPAR_X: {expected}. Received: CNNPAR_X={text!r}"
+
+
+def test_detect_and_resolve_read_the_variables_they_are_given_not_the_processs(environ):
+    environ(**TF_CONFIG)  # this process's variables describe another cluster
+    assert environments.detect(SLURM).tf_config()["cluster"]["worker"][-1] == "gpu7:8888"
+    assert environments.resolve(KUBERNETES).chief() == "train-0.workers:8888"
+    with pytest.raises(ValueError, match=r"^no cluster: TF_CONFIG is not set\."):
+        environments.resolve({}).task()
+
+
+def test_the_first_pod_of_a_job_whose_name_holds_dashes_is_its_chief(environ):
+    environ(JOB_COMPLETION_INDEX="0", HOSTNAME="my-train-0", CNNPAR_K8S_WORKERS="2", CNNPAR_K8S_SERVICE="workers")
+    task = environments.detect().task()
+    assert (task.index, task.is_chief, environments.detect().chief()) == (0, True, "my-train-0.workers:8888")
+
+
+def test_a_one_task_slurm_step_whose_ntasks_agree_is_a_cluster_of_one(environ):
+    environ(SLURM_PROCID="0", SLURM_STEP_NODELIST="n1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_STEP_NUM_TASKS="1",
+            SLURM_NTASKS="1")
+    assert environments.detect().tf_config() == {"cluster": {"worker": ["n1:8888"]},
+                                                 "task": {"type": "worker", "index": 0}}
+
+
+@pytest.mark.parametrize("kind, variables, message", [
+    (Slurm, {"SLURM_PROCID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"},
+     "SLURM_STEP_NODELIST: expected node names as node[01-04],gpu7. Received: SLURM_STEP_NODELIST=''"),
+    (KubernetesIndexedJob, {key: value for key, value in KUBERNETES.items() if key != "CNNPAR_K8S_SERVICE"},
+     "CNNPAR_K8S_SERVICE: expected the name of the headless Service that the pod template's subdomain names. "
+     "Received: CNNPAR_K8S_SERVICE=''"),
+], ids=["slurm without its node list", "a pod without its service"])
+def test_a_variable_that_is_not_set_is_refused_as_an_empty_one_naming_it(kind, variables, message):
+    with pytest.raises(ValueError) as raised:
+        kind(variables).tf_config()
+    assert str(raised.value) == message

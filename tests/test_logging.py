@@ -1,9 +1,12 @@
 import concurrent.futures
 import csv
+import datetime
 import errno
 import logging
+import math
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -430,3 +433,381 @@ def test_a_runs_csv_that_a_spreadsheet_saved_with_a_byte_order_mark_keeps_its_ro
     assert (tmp_path / "runs.csv").read_bytes() == ("\ufeff" + text).encode()  # nothing to migrate
     assert [row["timestamp"] for row in runs.read_runs(tmp_path / "runs.csv")] == ["1"]
     assert [row["timestamp"] for row in runs.read_csv(tmp_path / "runs.csv")] == ["1"]
+
+
+# runs.csv's rows, read back, migrated and refused, without training (the mutation run of results/runs.py)
+
+def epoch_rows(*figures, **last):
+    """Epoch rows of a run: one per images/s figure, one second each, ``last``'s columns in the last."""
+    rows = [{"epoch": n, "train_seconds": 1.0, "images_per_second": f} for n, f in enumerate(figures, start=1)]
+    rows[-1].update(last)
+    return rows
+
+
+def run_info(strategy="single", devices=1, run_id="r1", **provenance):
+    provenance = {"precision": "float32", "data": "d", "machine": "m", **provenance}
+    return runs.RunInfo("m", strategy, devices, 64, 64, 3, run_id=run_id, **provenance)
+
+
+def test_a_runs_row_holds_its_last_epochs_figures_its_median_throughput_and_its_speedup_against_single(tmp_path):
+    single = runs.append_run(tmp_path, run_info(), epoch_rows(5.0, 350.0, 350.0, loss=0.5, accuracy=0.9))
+    timed = [{"epoch": 1, "train_seconds": 1.23456, "images_per_second": 1.0},
+             {"epoch": 2, "train_seconds": 2.0, "images_per_second": 100.123},
+             {"epoch": 3, "train_seconds": 2.0, "images_per_second": 200.0},
+             {"epoch": 4, "train_seconds": 2.0, "images_per_second": 90.0, "loss": 0.25, "val_loss": 0.5,
+              "compute_share": 0.123456, "communication_share": math.nan, "time_split": "trace"}]
+    mirrored = runs.append_run(tmp_path, run_info("mirrored", 2, "r2"), timed)
+    common = {"model": "m", "global_batch": 64, "precision": "float32", "data": "d", "version": "", "tensorflow": "",
+              "machine": "m", "val_accuracy": "", **dict.fromkeys(runs.SPLIT_COLUMNS, "")}
+    assert {**single, "timestamp": ""} == {
+        **common, "timestamp": "", "strategy": "single", "devices": 1, "epochs": 3, "loss": 0.5, "accuracy": 0.9,
+        "val_loss": "", "train_seconds": 3.0, "images_per_second": 350.0, "speedup": 1.0, "efficiency": 1.0,
+        "run_id": "r1", "epoch_csv": "runs/r1/m_keras_tensorflow_single_1dev.csv"}
+    assert {**mirrored, "timestamp": ""} == {
+        **common, "timestamp": "", "strategy": "mirrored", "devices": 2, "epochs": 4, "loss": 0.25, "accuracy": "",
+        "val_loss": 0.5, "train_seconds": 7.2346, "images_per_second": 150.06, "speedup": 0.4287,
+        "efficiency": 0.2144, "compute_share": 0.1235, "time_split": "trace", "run_id": "r2",
+        "epoch_csv": "runs/r2/m_keras_tensorflow_mirrored_2dev.csv"}  # the median of 100.123 and 200: 150.06 / 350
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", single["timestamp"])
+    text = (tmp_path / "runs.csv").read_bytes().decode()
+    assert text == runs.csv_text(runs.RUNS_COLUMNS, [single, mirrored]), text  # one header, a line a run
+
+
+def test_throughput_speedup_and_efficiency_are_rounded_and_empty_where_unknown():
+    assert runs.run_throughput([{"images_per_second": ""}]) == ""  # no epoch timed: no figure
+    assert runs.run_throughput(epoch_rows(1.0, 100.0, 100.125, "")) == 100.06  # the median, to 2 places
+    assert runs.speedup_and_efficiency("mirrored", 2, "", 100.0) == ("", "")
+    assert runs.speedup_and_efficiency("single", 1, "", None) == (1.0, 1.0)
+    assert runs.speedup_and_efficiency("mirrored", 3, 100.0, 300.0) == (0.3333, 0.1111)
+
+
+def test_a_runs_own_files_are_in_its_folder_and_without_an_id_they_are_the_configurations():
+    info = run_info(run_id="7")
+    assert info.own_file(".weights.h5") == "runs/7/m_keras_tensorflow_single_1dev.weights.h5"
+    assert info.weights_files == ["runs/7/m_keras_tensorflow_single_1dev.weights.h5",
+                                  "m_keras_tensorflow_single_1dev.weights.h5"]
+    assert run_info(run_id="").own_file(".weights.h5") == "m_keras_tensorflow_single_1dev.weights.h5"
+    assert re.fullmatch(rf"\d{{8}}T\d{{6}}-{os.getpid()}-[0-9a-f]{{4}}", runs.new_run_id())
+
+
+def test_a_row_appended_after_a_line_cut_short_starts_a_line_of_its_own_and_the_cut_line_is_named(tmp_path):
+    single = runs.csv_text(runs.RUNS_COLUMNS, [runs.append_run(tmp_path, run_info(), epoch_rows(5.0, 300.0))])
+    cut = single.splitlines()[1][:30]
+    (tmp_path / "runs.csv").write_text(single.replace("\r\n", "\n", 1) + cut + "\n" + single.split("\r\n", 1)[1]
+                                       + cut)  # a cut line before the Single row and one at the end, no newline
+    before = (tmp_path / "runs.csv").read_bytes().decode()
+    with pytest.warns(UserWarning) as warned:
+        mirrored = runs.append_run(tmp_path, run_info("mirrored", 2), epoch_rows(5.0, 150.0))
+    values = len(next(csv.reader([cut])))
+    assert [str(w.message) for w in warned] == [
+        f"{tmp_path / 'runs.csv'}, line {n}: expected {len(runs.RUNS_COLUMNS)} comma-separated values. Received: "
+        f"{values} values; the line is ignored" for n in (3, 5)]
+    assert (mirrored["speedup"], mirrored["efficiency"]) == (0.5, 0.25)  # the Single row after the cut line
+    assert (tmp_path / "runs.csv").read_bytes().decode() == before + "\n" + runs.csv_text(
+        runs.RUNS_COLUMNS, [mirrored]).split("\r\n", 1)[1]
+
+
+def test_a_runs_csv_spoilt_during_the_run_is_left_as_it_is_and_the_row_warned_lost_or_refused_with_strict(tmp_path):
+    text = "timestamp;model\n2026;m\n"
+    (tmp_path / "runs.csv").write_text(text)
+    expected = runs._unknown_header(tmp_path / "runs.csv", ["timestamp;model"])
+    with pytest.warns(UserWarning) as warned:
+        assert runs.append_run(tmp_path, run_info(), epoch_rows(5.0, 300.0)) is None
+    assert [str(w.message) for w in warned] == [f"{expected}; this run's row was not recorded there"]
+    with pytest.raises(ValueError) as raised:
+        runs.append_run(tmp_path, run_info(), epoch_rows(5.0, 300.0), strict=True)
+    assert str(raised.value) == expected
+    assert (tmp_path / "runs.csv").read_bytes().decode() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.csv"]
+
+
+def test_an_older_runs_csv_met_at_a_runs_end_is_replaced_at_once_by_its_migrated_rows_and_the_run(tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(runs, "datetime", FixedNow)
+    old_columns = runs.OLDER_RUNS_COLUMNS[1]  # its rows know their data and machine: a Single baseline
+    old = {**dict.fromkeys(old_columns, ""), "model": "m", "strategy": "single", "global_batch": "64",
+           "images_per_second": "300", "precision": "float32", "data": "d", "machine": "m"}
+    text = runs.csv_text(old_columns, [old]) + "\r\n" + runs.csv_text(old_columns, [old]).split("\r\n", 1)[1]
+    (tmp_path / "runs.csv").write_text(text)  # two runs, a blank line between them
+    (tmp_path / "runs.csv.20261207T120000.bak").write_text("a copy kept by an earlier migration")
+    with pytest.warns(UserWarning) as warned:
+        row = runs.append_run(tmp_path, run_info("mirrored", 2), epoch_rows(5.0, 150.0))
+    assert [str(w.message) for w in warned] == [
+        f"{tmp_path / 'runs.csv'}: migrated to this version's columns; added {','.join(runs.SPLIT_COLUMNS)} (empty "
+        f"in the 2 earlier rows); the file as it was is kept as runs.csv.20261207T120000-2.bak"]
+    assert (row["speedup"], row["efficiency"]) == (0.5, 0.25)
+    assert (tmp_path / "runs.csv").read_bytes().decode() == runs.csv_text(runs.RUNS_COLUMNS, [old, old, row])
+    assert (tmp_path / "runs.csv.20261207T120000-2.bak").read_bytes().decode() == text
+
+
+class FixedNow(datetime.datetime):
+    """The clock of a migration's copy, stopped at 2026-12-07 12:00:00."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return cls(2026, 12, 7, 12)
+
+
+@pytest.mark.parametrize("header, difference", [
+    ([*runs.RUNS_COLUMNS, "model", "data"], "against this version's, it lacks no column and has no column besides, "
+                                            "and repeats data,model"),
+    (runs.RUNS_COLUMNS[1::-1] + runs.RUNS_COLUMNS[2:], "against this version's, its columns are in another order"),
+    ([c for c in runs.RUNS_COLUMNS if c not in ("data", "machine")] + ["host", "set"],
+     "against this version's, it lacks data,machine and has host,set besides"),
+    (["host", *runs.OLDER_RUNS_COLUMNS[0][1:]], "against an older version's, it lacks timestamp and has host besides"),
+], ids=["a column twice", "in another order", "two renamed", "an older header renamed"])
+def test_a_runs_csv_header_no_version_wrote_is_refused_naming_how_it_differs_from_the_nearest(tmp_path, header,
+                                                                                              difference):
+    path = tmp_path / "runs.csv"
+    path.write_text(",".join(header) + "\n")
+    received = ",".join(header)
+    expected = (f"{path}, line 1: expected the header of this version's runs.csv or an older version's, whose rows a "
+                f"migration keeps; {difference}. Received: header={received[:100] + '...'!r}; restore the header or "
+                f"move the file aside, then run again (a missing runs.csv is started anew)")
+    for refuse, kind in ((runs.check_runs_csv, ValueError), (runs.read_runs, runs.ResultsFileError)):
+        with pytest.raises(kind) as raised:
+            refuse(path if refuse is runs.read_runs else tmp_path)
+        assert str(raised.value) == expected
+
+
+@pytest.mark.parametrize("length", [100, 101])
+def test_a_refused_header_is_quoted_whole_up_to_100_characters_then_cut(tmp_path, length):
+    header = ("x" * (length - 6)) + ",model"
+    (tmp_path / "runs.csv").write_text(header + "\n")
+    with pytest.raises(runs.ResultsFileError) as raised:
+        runs.read_runs(tmp_path / "runs.csv")
+    assert str(raised.value).split("Received: ")[1].startswith(
+        f"header={header if length == 100 else header[:100] + '...'!r}; ")
+
+
+def test_read_runs_takes_an_older_header_leaves_out_a_line_cut_short_naming_it_and_refuses_bytes_not_utf8(tmp_path):
+    path = tmp_path / "runs.csv"
+    old_columns = runs.OLDER_RUNS_COLUMNS[0]
+    path.write_text(runs.csv_text(old_columns, [dict.fromkeys(old_columns, "1")]) + "1,2\r\n"
+                    + runs.csv_text(old_columns, [dict.fromkeys(old_columns, "2")]).split("\r\n", 1)[1])
+    with pytest.warns(UserWarning) as warned:
+        assert runs.read_runs(path) == [dict.fromkeys(old_columns, "1"), dict.fromkeys(old_columns, "2")]
+    assert [str(w.message) for w in warned] == [f"{path}, line 3: expected {len(old_columns)} comma-separated "
+                                                f"values. Received: 2 values; the line is ignored"]
+    path.write_bytes(b"timestamp,model\n\xe9t\xe9,m\n")
+    with pytest.raises(runs.ResultsFileError) as raised:
+        runs.read_runs(path)
+    assert str(raised.value) == f"{path}: expected UTF-8 text. Received: byte 0xe9 at offset 16"
+    path.write_text("")
+    assert runs.read_runs(path) == [] == runs.read_runs(tmp_path / "none.csv") == runs.read_csv(tmp_path / "none")
+
+
+def test_the_results_log_gets_whole_lines_appended_in_a_folder_made_for_it(tmp_path):
+    log = tmp_path / "new" / "results.log"
+    runs.append_line(log, "first")
+    runs.append_line(log, "second")
+    assert log.read_text() == "first\nsecond\n"
+
+
+def test_a_results_file_is_made_under_the_umask_as_a_file_not_a_program(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        runs.append_line(tmp_path / "results.log", "a")
+    finally:
+        os.umask(mask)
+    assert os.stat(tmp_path / "results.log").st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("name", [runs.RUNS_CSV, runs.RESULTS_LOG])
+def test_a_results_file_that_is_a_symbolic_link_is_refused_naming_its_target_and_nothing_is_written(tmp_path, name):
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("theirs\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / name).symlink_to(target)
+    expected = (f"{tmp_path / 'results' / name} is a symbolic link (to {target}); results files are written in "
+                f"place, never through a link: remove the link or choose another results folder. Received: "
+                f"{tmp_path / 'results' / name}")
+    for write in (lambda: runs.check_runs_csv(tmp_path / "results"),
+                  lambda: runs.append_line(tmp_path / "results" / name, "ours")):
+        with pytest.raises(ValueError) as raised:
+            write()
+        assert str(raised.value) == expected
+    assert target.read_text() == "theirs\n"
+
+
+def test_a_results_file_that_is_not_a_regular_file_or_not_writable_is_refused_naming_what_it_is(tmp_path,
+                                                                                                 monkeypatch):
+    with socket.socket(socket.AF_UNIX) as listening:  # not a FIFO: opening one would wait for a writer
+        listening.bind(str(tmp_path / "runs.csv"))
+        with pytest.raises(ValueError) as raised:
+            runs.check_runs_csv(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / 'runs.csv'}: expected a file that this user can read and append to; "
+                                 f"it is not a regular file. Received: {tmp_path / 'runs.csv'}")
+    (tmp_path / "runs.csv").unlink()
+    (tmp_path / "results.log").write_text("")
+    (tmp_path / "results.log").chmod(0o444)
+    real_access = os.access
+
+    def access(path, mode):  # as this user's permissions say, even for root, who may write anything
+        return real_access(path, mode) and not (mode & os.W_OK and not os.stat(path).st_mode & 0o200)
+
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(ValueError) as raised:
+        runs.check_runs_csv(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / 'results.log'}: expected a file that this user can read and append "
+                                 f"to; it is not readable and writable by this user. Received: "
+                                 f"{tmp_path / 'results.log'}")
+
+
+def test_csv_text_writes_only_the_columns_of_its_header():
+    assert runs.csv_text(["a", "b"], [{"b": 2, "a": 1, "c": 3}]) == "a,b\r\n1,2\r\n"
+
+
+def test_an_older_runs_csv_is_migrated_whatever_line_breaks_of_unicode_its_values_hold_and_after_a_byte_order_mark(
+        tmp_path):
+    """Before: a value with a character that ``str.splitlines`` takes for a line's end (a form feed, U+001C, U+0085,
+    U+2028), written unquoted by csv, cut its row in two and the file was refused; after a byte-order mark the
+    warning named ``timestamp`` among the columns added."""
+    old_columns = runs.OLDER_RUNS_COLUMNS[0]
+    old = {**dict.fromkeys(old_columns, ""), "model": "m", "epoch_csv": "a\x0cb\x1cc\x85d\u2028e"}
+    text = runs.BYTE_ORDER_MARK + runs.csv_text(old_columns, [old, old])
+    (tmp_path / "runs.csv").write_bytes(text.encode())
+    with pytest.warns(UserWarning) as warned:
+        runs.prepare_runs_csv(tmp_path)
+    added = [column for column in runs.RUNS_COLUMNS if column not in old_columns]
+    assert [str(w.message).split("; ")[1] for w in warned] == [f"added {','.join(added)} (empty in the 2 earlier rows)"]
+    assert runs.read_runs(tmp_path / "runs.csv") == [{**dict.fromkeys(runs.RUNS_COLUMNS, ""), **old}] * 2
+
+
+# Files written all at once (runtime/atomic.py)
+
+def test_a_file_written_at_once_replaces_the_old_whole_under_the_umasks_mode_leaving_no_temporary(tmp_path):
+    mask = os.umask(0o027)
+    try:
+        atomic.write_atomic(tmp_path / "a.csv", "old")
+        atomic.write_atomic(tmp_path / "a.csv", b"new \xc3\xa9")
+        seen = []
+        atomic.write_atomic(tmp_path / "m.weights.h5", None, write=lambda temporary: (
+            seen.append(os.path.basename(temporary)), (tmp_path / temporary).write_bytes(b"h5")))
+        assert atomic.created_mode() == 0o640 and atomic.created_mode(directory=True) == 0o750 == 0o777 & ~0o027
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "a.csv").read_bytes() == b"new \xc3\xa9" and (tmp_path / "m.weights.h5").read_bytes() == b"h5"
+    assert re.fullmatch(r"\.m\.weights\.\w+\.partial\.weights\.h5", seen[0]), seen
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"a.csv": 0o640, "m.weights.h5": 0o640}
+
+
+def test_a_library_that_writes_a_new_file_in_the_temporarys_place_still_gets_the_umasks_mode(tmp_path):
+    def private(temporary):  # as h5py does: its own file, made private
+        os.unlink(temporary)
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(descriptor, b"lib")
+        os.close(descriptor)
+
+    mask = os.umask(0o022)
+    try:
+        atomic.write_atomic(tmp_path / "w.h5", None, write=private)
+    finally:
+        os.umask(mask)
+    assert ((tmp_path / "w.h5").read_bytes(), (tmp_path / "w.h5").stat().st_mode & 0o777) == (b"lib", 0o644)
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary_whether_it_fails_writing_or_renaming(tmp_path):
+    atomic.write_atomic(tmp_path / "a.txt", "old")
+
+    def full(temporary):
+        (tmp_path / temporary).write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device"):
+        atomic.write_atomic(tmp_path / "a.txt", None, write=full)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "inside").write_text("kept")
+    with pytest.raises(IsADirectoryError):
+        atomic.write_atomic(tmp_path / "folder", "a file where a folder is")
+    with pytest.raises(TypeError):
+        atomic.write_atomic(tmp_path / "a.txt", 7)  # neither text nor bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "folder"]
+    assert (tmp_path / "a.txt").read_text() == "old" and (tmp_path / "folder" / "inside").read_text() == "kept"
+
+
+def test_files_written_together_all_change_or_none_and_no_temporary_is_left(tmp_path):
+    atomic.write_together({tmp_path / "a.txt": "old a", tmp_path / "b.txt": b"old b"})
+
+    def refused(temporary):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device"):
+        atomic.write_together({tmp_path / "a.txt": "new a", tmp_path / "c.txt": "new c", tmp_path / "b.txt": refused})
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"a.txt": "old a", "b.txt": "old b"}
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("")
+    with pytest.raises(IsADirectoryError):  # the second rename fails: the first file has changed, nothing is left
+        atomic.write_together({tmp_path / "a.txt": "new a", tmp_path / "d": "a file where a folder is"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "d"]
+    atomic.write_together({tmp_path / "a.txt": "new a", tmp_path / "b.txt": lambda t: (tmp_path / t).write_text("b")})
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.is_file()} == {"a.txt": "new a", "b.txt": "b"}
+
+
+def test_a_made_folder_that_a_failed_block_leaves_empty_goes_again_and_only_the_folders_it_made(tmp_path):
+    (tmp_path / "old").mkdir()
+    with pytest.raises(OSError), atomic.made_folder(tmp_path / "old" / "new" / "deeper") as folder:
+        assert folder == tmp_path / "old" / "new" / "deeper" and folder.is_dir()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert [p.name for p in tmp_path.iterdir()] == ["old"] and list((tmp_path / "old").iterdir()) == []
+    with pytest.raises(KeyboardInterrupt), atomic.made_folder(tmp_path / "old" / "new" / "deeper") as folder:
+        (folder.parent / "file").write_text("")  # a file in "new": it stays, with its folder
+        raise KeyboardInterrupt
+    assert sorted(p.name for p in (tmp_path / "old" / "new").iterdir()) == ["file"]
+    with atomic.made_folder(tmp_path / "kept" / "made") as folder:
+        pass
+    assert folder.is_dir()
+
+
+def test_a_discarded_temporary_is_emptied_unless_another_name_holds_it(tmp_path):
+    temporary = atomic.stage(tmp_path / "a.txt", "content")
+    with open(temporary, "rb") as still_open:  # as h5py holds its file after a failed write
+        atomic.discard(temporary)
+        assert os.fstat(still_open.fileno()).st_size == 0 and not os.path.exists(temporary)
+    temporary = atomic.stage(tmp_path / "b.txt", "content")
+    os.link(temporary, tmp_path / "linked.txt")
+    atomic.discard(temporary)
+    atomic.discard(temporary)  # gone already: nothing to do
+    assert (tmp_path / "linked.txt").read_text() == "content" and [p.name for p in tmp_path.iterdir()] == [
+        "linked.txt"]
+
+
+def test_the_room_check_refuses_one_byte_more_than_is_free_naming_both(tmp_path, monkeypatch):
+    class Stats:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda folder: Stats)
+    atomic.check_room(tmp_path, 40960)
+    with pytest.raises(OSError) as raised:
+        atomic.check_room(tmp_path, 40961)
+    assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+        errno.ENOSPC, "No space left on device: 40960 bytes free, 40961 needed", str(tmp_path))
+
+
+def test_the_umask_is_read_where_linux_shows_it_else_set_and_restored(monkeypatch):
+    mask = os.umask(0o027)
+    try:
+        with monkeypatch.context() as patched:  # read, not set: a thread creating a file meanwhile keeps its mask
+            patched.setattr(os, "umask", lambda mask: pytest.fail("the umask was set to be read"))
+            assert atomic.umask() == 0o027
+        monkeypatch.setattr(atomic, "Path", lambda path: (_ for _ in ()).throw(OSError(errno.ENOENT, path)))
+        assert atomic.umask() == 0o027 and os.umask(0o027) == 0o027  # and left as it was
+    finally:
+        os.umask(mask)
+
+
+def test_a_probe_names_the_folder_it_could_not_create_in_a_file_on_the_way_or_a_link_to_nothing(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError) as raised:
+        atomic.probe_folder(tmp_path / "file" / "sub")
+    assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+        errno.ENOTDIR, "Not a directory", str(tmp_path / "file"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError):
+        atomic.probe_folder(tmp_path / "dangling" / "sub")
+    with pytest.raises(OSError) as raised:
+        atomic.probe_folder("/proc/sys/cnnpar")  # nothing can be created there, even by root
+    assert (type(raised.value), raised.value.errno, raised.value.strerror, raised.value.filename) == (
+        FileNotFoundError, errno.ENOENT, "No such file or directory", "/proc/sys")  # the folder, not the probe
+    atomic.probe_folder(tmp_path / "new" / "deeper")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"]

@@ -313,6 +313,57 @@ def test_an_elastic_resume_accepts_another_worker_count_says_so_and_still_refuse
     assert cnnpar.MultiWorker.elastic and cnnpar.AsyncPS.elastic
 
 
+def test_a_checkpoint_records_its_configuration_sorted_and_a_failed_save_keeps_the_previous_epoch(tmp_path,
+                                                                                                     monkeypatch):
+    model, folder, config = saved_checkpoint(tmp_path / "checkpoints" / RUN)
+    assert (folder / "run.json").read_text() == json.dumps(config, indent=2, sort_keys=True) + "\n"
+    run = checkpoints.RunCheckpoint(model, folder, resume=True, config=config)
+    assert run.restore() == 1 and run.changes == []
+    run.save(completed_epochs=2)
+    run.save(completed_epochs=3)
+    assert [type(f) for f in tf.get_logger().filters].count(checkpoints.SaverRetracingFilter) == 1  # added once
+    monkeypatch.setattr(run._manager, "save", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        run.save(completed_epochs=4)
+    assert run.completed_epochs == 3  # as the checkpoint on disk says
+    assert checkpoints.RunCheckpoint(model, folder, resume=True, config=config).restore() == 3
+    unrecorded = checkpoints.RunCheckpoint(model, tmp_path / "no-config", resume=False)
+    unrecorded.save(completed_epochs=1)
+    assert not (tmp_path / "no-config" / "run.json").exists() and unrecorded.holds_checkpoint()
+
+
+def test_a_preemption_checkpoint_alone_is_a_checkpoint_that_needs_resume(tmp_path):
+    model = build_small_cnn()
+    model.optimizer.build(model.trainable_variables)
+    folder = tmp_path / "checkpoints" / RUN
+    run = checkpoints.RunCheckpoint(model, folder, resume=False)
+    assert run.preemption_folder == folder / "preemption" and not run.holds_checkpoint()
+    tf.train.CheckpointManager(run.checkpoint, str(run.preemption_folder), max_to_keep=1).save()
+    with pytest.raises(ValueError, match=r"holds the checkpoint of an interrupted run; pass resume=True"):
+        checkpoints.RunCheckpoint(model, folder, resume=False)
+
+
+def test_a_resume_beside_a_checkpoint_of_the_same_settings_names_the_folders_name_as_the_difference(tmp_path):
+    model, found, config = saved_checkpoint(tmp_path / RUN)
+    other = tmp_path / RUN.replace("2dev", "4dev")
+    with pytest.raises(ValueError) as raised:
+        checkpoints.RunCheckpoint(model, other, resume=True, config={**config, "new_key": 1})  # unrecorded: no matter
+    assert f"holds no checkpoint; {found} holds one of another configuration: its folder's name. Resume with" in str(
+        raised.value)
+
+
+def test_removing_a_runs_checkpoint_removes_its_parent_only_when_no_other_run_is_left(tmp_path):
+    model, first, _ = saved_checkpoint(tmp_path / "checkpoints" / RUN)
+    _, second, _ = saved_checkpoint(tmp_path / "checkpoints" / RUN_3_PLUS_3)
+    checkpoints.RunCheckpoint(model, first, resume=True).remove()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [RUN_3_PLUS_3]
+    run = checkpoints.RunCheckpoint(model, second, resume=True)
+    run.remove(run.preemption_folder)  # a folder of its own, first
+    assert second.exists()
+    run.remove()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_timed_out_collective_names_the_peers_that_no_longer_answer():
     """A collective that timed out names no task (a link gone down): the lost peers are those that accept no
     connection; a message that names tasks is taken at its word."""

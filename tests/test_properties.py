@@ -9,6 +9,7 @@ import ast
 import functools
 import json
 import math
+import os
 import re
 import string
 import sys
@@ -18,17 +19,22 @@ import click
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from keras_cnnpar.cli.training import _strategy_options
 from keras_cnnpar.cluster import environments, network, spec, traffic
+from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import arguments
 from keras_cnnpar.strategies.async_ps import run as async_run
 from keras_cnnpar.zoo import data
 
-#: One verdict on any machine: the same examples each run, no time limit, nothing remembered between runs.
-PROPERTY = settings(derandomize=True, deadline=None, max_examples=100, database=None)
+#: One verdict on any machine: the same examples each run, no time limit, nothing remembered between runs. Under
+#: mutation testing (``mutation/run.py`` sets ``CNNPAR_MUTATION``) a failing example is not shrunk: the verdict is the
+#: same, and shrinking a mutant's failure can take minutes.
+PROPERTY = settings(derandomize=True, deadline=None, max_examples=100, database=None,
+                    phases=[phase for phase in Phase if not (os.environ.get("CNNPAR_MUTATION")
+                                                             and phase in (Phase.shrink, Phase.explain))])
 
 #: Text that looks like what a user types: digits, dots, signs, exponents, units, spaces, and some letters.
 TYPED = st.text(alphabet="0123456789.eE+- kmgtbitsuMGBx:[],()=_\n\t\x00é", max_size=24)
@@ -550,6 +556,7 @@ def test_any_host_list_text_is_names_without_brackets_or_commas_or_refused_in_on
 @PROPERTY
 @given(counts=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=4),
        text=st.text(alphabet="0123(x),", max_size=9))  # at most 10**5 tasks
+@example(counts=[(1, 1)], text="2(x00),1")  # was [1]: the node of 2(x00) had no tasks, and no refusal said so
 def test_tasks_per_node_expand_to_their_counts_and_any_other_text_is_refused_naming_it(counts, text):
     written = ",".join(f"{tasks}(x{repeat})" if repeat > 1 else str(tasks) for tasks, repeat in counts)
     assert environments.expand_tasks_per_node(written) == [tasks for tasks, repeat in counts for _ in range(repeat)]
@@ -558,7 +565,7 @@ def test_tasks_per_node_expand_to_their_counts_and_any_other_text_is_refused_nam
     except ValueError as error:
         assert_one_line_naming(error, f"SLURM_STEP_TASKS_PER_NODE={text!r}")
         return
-    assert expanded and all(tasks >= 1 for tasks in expanded)
+    assert len(expanded) >= len(text.split(",")) and all(tasks >= 1 for tasks in expanded)  # a node at least a piece
 
 
 @PROPERTY
@@ -571,6 +578,52 @@ def test_an_environment_variables_int_is_within_its_bounds_or_refused_in_one_lin
         assert_one_line_naming(error, f"CNNPAR_X={text!r}")
         return
     assert value == 7 if not text else (1 <= value <= (high or value) and value == int(text))
+
+
+# runs.csv (results/runs.py)
+
+#: What a cell of runs.csv may hold where it is text: any character a file of UTF-8 holds, line breaks, quotes and
+#: commas first.
+CELLS = st.one_of(st.text(max_size=6), st.sampled_from(["", ",", '"', "a\r\nb", "\r", "\n", "\x1c", "\x85",
+                                                        "\u2028", "\x0c", "\ufeff"]))
+NUMBERS = st.one_of(st.just(""), st.floats(allow_nan=False).map(str), st.integers().map(str))
+
+
+def runs_rows(columns):
+    """Rows of runs.csv under ``columns``: numbers (or nothing) in the columns of numbers, any text elsewhere."""
+    return st.lists(st.fixed_dictionaries({column: NUMBERS if column in runs.NUMBER_COLUMNS else CELLS
+                                           for column in columns}), max_size=3)
+
+
+@PROPERTY
+@given(rows=runs_rows(runs.RUNS_COLUMNS), mark=st.sampled_from(["", runs.BYTE_ORDER_MARK]))
+def test_every_runs_csv_row_reads_back_as_written_whatever_its_text(rows, mark, tmp_path_factory):
+    path = tmp_path_factory.mktemp("runs") / runs.RUNS_CSV
+    path.write_bytes((mark + runs.csv_text(runs.RUNS_COLUMNS, rows)).encode())
+    assert runs.read_runs(path) == rows == runs.read_csv(path)
+    runs.check_runs_csv(path.parent)  # this version's header: nothing to refuse
+    runs.prepare_runs_csv(path.parent)  # nor to migrate
+    assert path.read_bytes() == (mark + runs.csv_text(runs.RUNS_COLUMNS, rows)).encode()
+
+
+@PROPERTY
+@given(data=st.data(), old_columns=st.sampled_from(runs.OLDER_RUNS_COLUMNS),
+       mark=st.sampled_from(["", runs.BYTE_ORDER_MARK]))
+def test_every_row_of_an_older_runs_csv_is_kept_by_the_migration_and_the_warning_names_the_added_columns(
+        data, old_columns, mark, tmp_path_factory):
+    rows = data.draw(runs_rows(old_columns))
+    path = tmp_path_factory.mktemp("runs") / runs.RUNS_CSV
+    text = mark + runs.csv_text(old_columns, rows)
+    path.write_bytes(text.encode())
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        runs.prepare_runs_csv(path.parent)
+    added = [column for column in runs.RUNS_COLUMNS if column not in old_columns]
+    assert [str(w.message).split("; ")[1] for w in warned] == [
+        f"added {','.join(added)} (empty in the {len(rows)} earlier rows)"]
+    assert runs.read_runs(path) == [{**dict.fromkeys(runs.RUNS_COLUMNS, ""), **row} for row in rows]
+    (backup,) = path.parent.glob("runs.csv.*.bak")
+    assert backup.read_bytes() == text.encode()
 
 
 # `--option NAME=VALUE` (cli/training.py)

@@ -268,7 +268,7 @@ def expand_tasks_per_node(text, name="SLURM_STEP_TASKS_PER_NODE"):
     [2, 2, 2, 1]
     """
     pieces = [re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", piece) for piece in text.split(",")]
-    if not all(pieces) or any(int(piece[1]) == 0 or piece[2] == "0" for piece in pieces):
+    if not all(pieces) or any(int(piece[1]) == 0 or int(piece[2] or 1) == 0 for piece in pieces):  # 2(x00) too
         raise ValueError(f"{name}: expected tasks per node as 2(x3),1. Received: {name}={text!r}")
     return [int(piece[1]) for piece in pieces for _ in range(int(piece[2] or 1))]
 

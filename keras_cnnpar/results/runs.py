@@ -386,20 +386,21 @@ def _old_rows(path, text):
     """The rows of ``text`` of ``runs.csv`` as dicts when it has an older version's header; None when it has the
     current one (or is empty; a byte-order mark before it, as a spreadsheet may write, is read as nothing). A ``ValueError`` for any other header, or a row of another number of values than
     its header (it could not be mapped: a migration never drops a row)."""
-    lines = text.removeprefix(BYTE_ORDER_MARK).splitlines(keepends=True)
-    header = next(csv.reader(lines[:1]), None)
+    reader = csv.reader(io.StringIO(text.removeprefix(BYTE_ORDER_MARK)))  # lines end at "\n" only, as csv writes
+    header = next(reader, None)
     if header is None or header == RUNS_COLUMNS:
         return None
     if header not in OLDER_RUNS_COLUMNS:
         raise ValueError(_unknown_header(path, header))
     rows = []
-    for number, values in enumerate(csv.reader(lines[1:]), start=2):
+    for values in reader:
         if not values:
             continue  # a blank line holds no run
         if len(values) != len(header):
-            raise ValueError(f"{path}, line {number}: expected {len(header)} comma-separated values, as under its "
-                             f"header (an older version's), to migrate it to this version's columns. Received: "
-                             f"{len(values)} values; fix or remove that line, then run again (nothing was changed)")
+            raise ValueError(f"{path}, line {reader.line_num}: expected {len(header)} comma-separated values, as "
+                             f"under its header (an older version's), to migrate it to this version's columns. "
+                             f"Received: {len(values)} values; fix or remove that line, then run again (nothing was "
+                             f"changed)")
         rows.append(dict(zip(header, values)))
     return rows
 
@@ -429,7 +430,7 @@ def _replace_migrated(path, text, migrated, new_rows=""):
     backup = _backup_name(path)
     write_atomic(backup, text)
     write_atomic(path, migrated + new_rows)
-    header = next(csv.reader(text.splitlines()[:1]))
+    header = next(csv.reader(text.removeprefix(BYTE_ORDER_MARK).splitlines()[:1]))
     added = [column for column in RUNS_COLUMNS if column not in header]
     earlier = len(list(csv.reader(io.StringIO(migrated)))) - 1
     warnings.warn(f"{path}: migrated to this version's columns; added {','.join(added)} (empty in the {earlier} "
