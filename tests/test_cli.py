@@ -347,23 +347,8 @@ def small_cnn_for(input_shape, num_classes=10, compiled=True):
 
 
 @pytest.mark.parametrize("source", ["file", "function"])
-def test_train_takes_a_users_keras_file_or_function_and_logs_the_run_under_its_name(source, small_csv, tmp_path):
-    if source == "file":
-        small_cnn_for((28, 28, 1)).save(given := str(tmp_path / "mine.keras"))
-        name = "users_cnn"
-    else:
-        given, name = "tests.helpers:build_small_cnn", "small_cnn"
-    result = run("train", "--model", given, "--epochs", "1", "--data", small_csv, "--results", tmp_path / "results",
-                 "--verbose", "0")
-    assert result.exit_code == 0, result.output
-    assert f"  model         {name} ({given}, " in result.output
-    (row,) = read_rows(tmp_path / "results" / "runs.csv")
-    assert row["model"] == name and 0 <= float(row["val_accuracy"]) <= 1
-
-
-@pytest.mark.parametrize("source", ["file", "function"])
-def test_export_takes_the_users_model_its_weights_were_trained_from_and_the_export_predicts_as_it(source, small_csv,
-                                                                                                  tmp_path):
+def test_train_and_export_take_a_users_keras_file_or_function_the_run_logged_under_its_name_the_export_predicting_as_it(
+        source, small_csv, tmp_path):
     if source == "file":
         small_cnn_for((28, 28, 1)).save(given := str(tmp_path / "mine.keras"))
         name = "users_cnn"
@@ -372,6 +357,9 @@ def test_export_takes_the_users_model_its_weights_were_trained_from_and_the_expo
     trained = run("train", "--model", given, "--epochs", "1", "--data", small_csv, "--results", tmp_path / "results",
                   "--verbose", "0")
     assert trained.exit_code == 0, trained.output
+    assert f"  model         {name} ({given}, " in trained.output
+    (row,) = read_rows(tmp_path / "results" / "runs.csv")
+    assert row["model"] == name and 0 <= float(row["val_accuracy"]) <= 1
     weights = tmp_path / "results" / f"{name}_keras_tensorflow_single_1dev.weights.h5"
     exports = tmp_path / "exports"
     refused = run("export", "--weights", weights, "--out", exports)  # its name is not a zoo model's

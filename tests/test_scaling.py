@@ -138,9 +138,7 @@ def test_the_powersgd_row_sends_rank_4_factors_in_two_ring_rounds_and_the_plan_s
     assert sent < BYTES_2_2 / 100  # 2+2: its fc1 kernel (3136x1024) as 4 x (3136 + 1024) numbers
     step = 0.036 / 2 + 8 * sent / 1e8 + 2 * 2 * 2e-4  # the ring's bytes (P, then Q: two all-reduces' latency)
     assert float(rows["multi-worker powersgd r=4"]["images_per_second"]) == pytest.approx(64 / step)
-    assert ("multi-worker powersgd r=4 " + str(round(64 / step)) + " images/s: compression='powersgd': each large "
-            "gradient summed as rank-4 factors with error feedback, an approximation of Single's update (its "
-            "validation accuracy measured at most 0.8 points below Single's in 6 of 6 runs, docs/slow_links.md)") \
+    assert f"multi-worker powersgd r=4 {round(64 / step)} images/s: {compression.changes('powersgd', 4)}" \
         in " ".join(result.output.split())
 
 
@@ -176,6 +174,18 @@ def test_a_measured_run_faster_than_the_link_allows_is_refused_naming_it(tmp_pat
                      "--measured", "async-ps:2=100000000", "--out", tmp_path / "out")
     assert one_line_refusal(result) == (
         "Error: --measured: async-ps:2=1e+08 is more than the 207 images/s that the link (1gbit, 0.1 ms latency) and "
-        "the step (100 ms) allow: it would make TensorFlow's transport take -310 ms a step; check the run, --link "
-        "and --step-seconds")
+        "the step (100 ms) allow, by more than the 25% of timing noise: it would make TensorFlow's transport take "
+        "-310 ms a step; check the run, --link and --step-seconds")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_measured_run_a_little_faster_than_the_link_allows_is_timing_noise_and_its_figure_is_reproduced():
+    """A step timed apart from the run can be slower than the run's own steps on a loaded machine; ``cnnpar plan``
+    on the hosts prints its ``--measured`` run as the command for more hosts, which must then be taken."""
+    bound = cnnpar.MultiWorker.host_step(2, 0.1, traffic.Link.parse("1gbit"), BYTES_2_2).images_per_second(64)
+    faster = round((1 + scaling.TIMING_NOISE) * bound * 0.96)
+    result = run_cli("plan", "--model", "2+2", "--hosts", "2", "--step-seconds", "0.1", "--link", "1gbit",
+                     "--measured", f"multi-worker:2={faster}")
+    assert result.exit_code == 0, result.output
+    two_hosts = next(line.split("|")[1].split()[0] for line in result.output.splitlines() if line.startswith("    2 |"))
+    assert float(two_hosts) == pytest.approx(faster, rel=0.01)
