@@ -74,15 +74,15 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         if report and fit_kwargs.get("verbose", 1):
             print(report)
         report = "\n".join(line for line in (note, report) if line)
-        logging = []
+        logs = None
         if results_dir is not None and strategy.is_chief:
             info = callback_lib.RunInfo(
                 model=model.name, strategy=strategy.alias, devices=strategy.num_devices,
                 global_batch=batch_size, samples_per_epoch=samples, epochs=epochs, initial_epoch=initial_epoch,
                 precision=settings.precision, data=data, run_id=runs.new_run_id(), version=provenance.version(),
                 tensorflow=tf.__version__, machine=provenance.machine())
-            logging = callback_lib.run_callbacks(info, results_dir, report=report, events=strategy.epoch_events,
-                                                 save_weights=save_weights)
+            logs = callback_lib.run_callbacks(info, results_dir, report=report, events=strategy.epoch_events,
+                                              save_weights=save_weights)
         users = [UserModelCallbacks(callbacks, model, run)] if callbacks and strategy.trains_here else []
         # Tests only: a run that writes results waits after an epoch, its row written (the short fits of the
         # checks and the planner write none).
@@ -90,24 +90,20 @@ def fit(model, x=None, y=None, *, strategy="single", results_dir="results", batc
         text = TextLogs()  # last: the words of the logs reach the callbacks, not Keras's progress bar
         try:
             history = run.fit(train, epochs=epochs, validation_data=validation,
-                              callbacks=[*users, *logging, *held, text],
+                              callbacks=[*users, *(logs or ()), *held, text],
                               initial_epoch=initial_epoch, **fit_kwargs)
         except BaseException as error:
-            if logging:
-                epoch_logger, recorder = logging
-                epoch_logger.close()
-                if not isinstance(error, callback_lib.RunNotRecorded):  # that one logged the run failed itself
-                    with contextlib.suppress(OSError, ValueError):  # a results folder gone bad must not hide it
-                        recorder.on_failure(error)
+            if logs:
+                logs.failed(error)
             raise
         text.into(history)
         run.finalize(model)
-        if logging and save_weights:  # the weights, then the run's row: they agree, or the run is logged as failed
-            logging[1].finish(model)
+        if logs and save_weights:  # the weights, then the run's row: they agree, or the run is logged as failed
+            logs.recorder.finish(model)
         for user in users:  # on_train_end, with the trained state in the user's model
             user.train_ended({name: values[-1] for name, values in history.history.items() if values})
         history.set_model(model)
-        history.run_record = logging[1].row if logging else None  # the run's row of runs.csv, when logged
+        history.run_record = logs.recorder.row if logs else None  # the run's row of runs.csv, when logged
         history.strategy = strategy
         model.history = history
         return history

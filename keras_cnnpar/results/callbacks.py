@@ -15,6 +15,7 @@ Example:
 ['cnn2d_3layer_fullconnected_3layer_keras_tensorflow_single_1dev.csv', 'results.log', 'runs', 'runs.csv']
 """
 
+import contextlib
 import csv
 import functools
 import io
@@ -23,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import typing
 from pathlib import Path
 
 import keras
@@ -33,7 +35,7 @@ from keras_cnnpar.results.runs import RunInfo
 from keras_cnnpar.runtime import atomic, hardware
 from keras_cnnpar.runtime.atomic import created_mode, write_atomic
 
-__all__ = ["EpochLogger", "RunInfo", "RunNotRecorded", "RunRecorder", "run_callbacks"]
+__all__ = ["EpochLogger", "RunInfo", "RunLogs", "RunNotRecorded", "RunRecorder", "run_callbacks"]
 
 
 class RunNotRecorded(RuntimeError):
@@ -292,15 +294,30 @@ class RunRecorder(keras.callbacks.Callback):
         runs.append_line(self.results_dir / runs.RESULTS_LOG, f"{runs.now()} {message}{run}")
 
 
+class RunLogs(typing.NamedTuple):
+    """The logging callbacks of one run, in the order Keras calls them: its epochs' CSV, then its record."""
+
+    epochs: "EpochLogger"
+    recorder: "RunRecorder"
+
+    def failed(self, error):
+        """Close the epochs' CSV and log the run failed with ``error`` (unless the record itself raised it);
+        a results folder gone bad meanwhile does not hide ``error``."""
+        self.epochs.close()
+        if not isinstance(error, RunNotRecorded):  # that one logged the run failed itself
+            with contextlib.suppress(OSError, ValueError):
+                self.recorder.on_failure(error)
+
+
 def run_callbacks(info, results_dir, report=None, events=None, save_weights=False):
-    """The logging callbacks of one run, in their order: ``[EpochLogger, RunRecorder]``.
+    """The :class:`RunLogs` of one run.
 
     ``runs.csv`` is made ready first (an older one migrated, one that cannot be
     refused with a ``ValueError``), so a run never trains to find no place for its row.
     """
     runs.prepare_runs_csv(results_dir)
     epochs = EpochLogger(info, results_dir)
-    return [epochs, RunRecorder(info, results_dir, epochs, report, events, save_weights)]
+    return RunLogs(epochs, RunRecorder(info, results_dir, epochs, report, events, save_weights))
 
 
 def _reason(error):
