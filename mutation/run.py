@@ -98,6 +98,7 @@ SELECTION = {
             "the_reports_figures_show_each_models_accuracy_by_epoch_and_each_configurations_figures_as_bars",
             "a_report_holds_each_configurations_latest_run_rounded_flagged_and_where_its_figures_come_from",
             "a_report_of_a_runs_csv_that_cannot_be_read_names_it_and_writes_nothing",
+            "a_run_without_a_throughput_has_no_speedup_beside_a_baseline_and_two_producers_are_warned_of",
             "report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_largest_share",
             "report_flags_a_failed_parity_check")),
         "keras_cnnpar/plan/experiments.py"],

@@ -315,6 +315,21 @@ def test_a_report_holds_each_configurations_latest_run_rounded_flagged_and_where
     assert experiments.figures.pyplot().get_fignums() == figures_open  # every figure closed
 
 
+def test_a_run_without_a_throughput_has_no_speedup_beside_a_baseline_and_two_producers_are_warned_of(tmp_path):
+    same = {"model": "m", "devices": "2", "global_batch": "64", "precision": "float32", "data": "d", "machine": "x"}
+    recorded = [{**same, "strategy": "single", "devices": "1", "images_per_second": "100", "version": "0.1.0"},
+                {**same, "strategy": "mirrored", "images_per_second": "", "version": "0.2.0"}]
+    for row in recorded:
+        row["epoch_csv"] = f"{row['strategy']}.csv"
+        write_lines(tmp_path / row["epoch_csv"], [])
+    (tmp_path / "runs.csv").write_text(runs.csv_text(runs.RUNS_COLUMNS, recorded))
+    mirrored = experiments.summarize(tmp_path)[1]
+    assert [mirrored[key] for key in ("images_per_second", "speedup", "efficiency")] == [pytest.approx(float("nan"),
+                                                                                         nan_ok=True)] * 3
+    assert experiments.provenance_text(recorded).splitlines()[0] == (
+        "Warning: this table mixes machines or versions; compare only rows produced alike.")
+
+
 def test_a_report_of_a_runs_csv_that_cannot_be_read_names_it_and_writes_nothing(tmp_path):
     (tmp_path / "runs.csv").mkdir()  # a folder in its place
     with pytest.raises(runs.ResultsFileError) as raised:
