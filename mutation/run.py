@@ -85,6 +85,23 @@ SELECTION = {
             "a_plugin_that_fails_to_import_is_left_out_with_a_one_line_warning_and_loaded_once")),
         "tests/test_strategies.py::test_every_registered_alias_names_a_strategy_class_that_declares_it",
         "tests/test_strategies.py::test_unknown_alias_lists_the_valid_names", "keras_cnnpar/strategies/registry.py"],
+    "keras_cnnpar/plan/experiments.py": [
+        # The tests of the plan, the sweep's record and the report, and of a configuration's process run as a short
+        # Python; not those that train a configuration (a training process per mutant).
+        *(f"tests/test_experiments.py::test_{name}" for name in (
+            "the_plan_runs_each_strategy_on_the_device_counts_it_declares",
+            "a_configuration_trains_in_a_process_given_its_options_and_returns_its_code_and_last_five_lines",
+            "a_configuration_past_its_timeout_returns_minus_one_and_its_process_group_ends_with_it",
+            "a_sweeps_record_has_its_header_once_and_a_line_per_configuration_its_output_on_that_line",
+            "a_configuration_is_complete_only_when_runs_csv_has_its_model_strategy_devices_batch_and_epochs",
+            "report_without_runs_says_so",
+            "the_reports_figures_show_each_models_accuracy_by_epoch_and_each_configurations_figures_as_bars",
+            "a_report_holds_each_configurations_latest_run_rounded_flagged_and_where_its_figures_come_from",
+            "a_report_of_a_runs_csv_that_cannot_be_read_names_it_and_writes_nothing",
+            "a_run_without_a_throughput_has_no_speedup_beside_a_baseline_and_two_producers_are_warned_of",
+            "report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_largest_share",
+            "report_flags_a_failed_parity_check")),
+        "keras_cnnpar/plan/experiments.py"],
     "keras_cnnpar/results/checkpoints.py": [
         # The tests of RunCheckpoint itself, on the small CNN; not the preemption's (a cluster of processes).
         *(f"tests/test_multi_worker.py::test_{name}" for name in (

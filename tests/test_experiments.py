@@ -1,6 +1,7 @@
 """cnnpar sweep and cnnpar report on a small subset: the files, their columns, resuming, and a recorded failure."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -14,6 +15,7 @@ from keras_cnnpar.plan import experiments
 from keras_cnnpar.results import runs
 from keras_cnnpar.strategies import registry
 from tests.helpers import (
+    alive,
     cnnpar_command,
     descendants,
     held,
@@ -158,6 +160,59 @@ def test_a_configuration_past_its_timeout_is_killed_with_every_process_it_starte
     wait_until(lambda: not suite_processes(), "the launcher and both of its workers to end", 30)
 
 
+def test_a_configuration_trains_in_a_process_given_its_options_and_returns_its_code_and_last_five_lines(
+        tmp_path, monkeypatch):
+    """The training process is a Python that prints 7 lines, the last on stderr, and exits 3."""
+    given = []
+    script = "import sys\nfor i in range(6): print(i, flush=True)\nprint('on stderr', file=sys.stderr)\nsys.exit(3)"
+    monkeypatch.setattr(experiments, "python_command", lambda *args: given.append(args) or [sys.executable, "-c",
+                                                                                            script])
+    code, tail = experiments.run_config(experiments.Config("2+2", "mirrored", 2), epochs=3, batch_size=64,
+                                        source="mnist-5k", results_dir=tmp_path, precision="mixed_bfloat16")
+    assert (code, tail) == (3, "2\n3\n4\n5\non stderr")
+    assert given == [("-m", "keras_cnnpar.cli", "train", "--model", "2+2", "--strategy", "mirrored", "--devices", "2",
+                      "--epochs", "3", "--batch-size", "64", "--data", "mnist-5k", "--results", str(tmp_path),
+                      "--checks", "--precision", "mixed_bfloat16", "--verbose", "0")]
+
+
+def test_a_configuration_past_its_timeout_returns_minus_one_and_its_process_group_ends_with_it(tmp_path, monkeypatch):
+    """The training process starts a child that writes its pid, and both would sleep 20 s."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(20)"
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(20)"
+    monkeypatch.setattr(experiments, "python_command", lambda *args: [sys.executable, "-c", script])
+    started = time.monotonic()
+    code, tail = experiments.run_config(experiments.Config("2+2", "single", 1), epochs=1, batch_size=64,
+                                        source="mnist-5k", results_dir=tmp_path, timeout=2)
+    assert (code, tail) == (-1, "timed out after 2 s")
+    assert 2 <= time.monotonic() - started < 15
+    pid = int(pid_file.read_text())
+    wait_until(lambda: not alive(pid), "the training process's child to end", 10)
+
+
+def test_a_sweeps_record_has_its_header_once_and_a_line_per_configuration_its_output_on_that_line(tmp_path):
+    results = tmp_path / "new" / "results"  # made for it
+    experiments.record(results, experiments.Config("2+2", "mirrored", 2), "failed (1)", 12.345, "first\nsecond")
+    experiments.record(results, experiments.Config("3+3", "single", 1), "done", 3.04)
+    lines = (results / "sweep.csv").read_text().splitlines()
+    assert lines[0] == "timestamp,model,strategy,devices,status,seconds,detail"
+    assert [line.split(",", 1)[1] for line in lines[1:]] == [
+        "2+2,mirrored,2,failed (1),12.3,first | second", "3+3,single,1,done,3.0,"]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line.split(",")[0]) for line in lines[1:])
+
+
+def test_a_configuration_is_complete_only_when_runs_csv_has_its_model_strategy_devices_batch_and_epochs(tmp_path):
+    row = {"model": "cnn", "strategy": "mirrored", "devices": "2", "global_batch": "64", "epochs": "3"}
+    (tmp_path / "runs.csv").write_text(runs.csv_text(runs.RUNS_COLUMNS, [row]))
+    config = experiments.Config("2+2", "mirrored", 2)
+    assert experiments.completed(config, "cnn", tmp_path, 3, 64)
+    assert not experiments.completed(config, "cnn", tmp_path / "elsewhere", 3, 64)
+    assert not any(experiments.completed(*given) for given in (
+        (config, "other", tmp_path, 3, 64), (experiments.Config("2+2", "single", 2), "cnn", tmp_path, 3, 64),
+        (experiments.Config("2+2", "mirrored", 4), "cnn", tmp_path, 3, 64), (config, "cnn", tmp_path, 2, 64),
+        (config, "cnn", tmp_path, 3, 32)))
+
+
 def test_report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_largest_share(tmp_path):
     same = {"model": "m", "global_batch": "64", "epochs": "1", "val_accuracy": "0.9", "precision": "float32",
             "data": "d", "machine": "x"}
@@ -174,6 +229,114 @@ def test_report_flags_a_multi_device_run_below_80_percent_efficiency_naming_its_
         "single": (1.0, ""), "channels": (0.85, ""),
         "mirrored": (0.4, "efficiency 40% < 80%: communication takes 60% of the devices' time: sync less often "
                           "(accumulate) or fewer devices")}
+
+
+def test_the_reports_figures_show_each_models_accuracy_by_epoch_and_each_configurations_figures_as_bars(tmp_path):
+    recorded = [{"model": model, "strategy": strategy, "devices": devices, "epoch_csv": f"{model}-{strategy}.csv"}
+                for model, strategy, devices in (("cnn2d_2layer_fullconnected_2layer", "single", "1"),
+                                                 ("cnn2d_2layer_fullconnected_2layer", "mirrored", "2"),
+                                                 ("my_cnn", "single", "1"))]
+    for number, run in enumerate(recorded):
+        write_lines(tmp_path / run["epoch_csv"], ["epoch,val_accuracy", f"1,0.{number + 1}", f"2,0.{number + 5}"])
+    rows = [{"model": run["model"], "strategy": run["strategy"], "devices": int(run["devices"]),
+             "images_per_second": 100.0 * (number + 1), "speedup": 1.0 + number, "efficiency": 1.0 - number / 4}
+            for number, run in enumerate(recorded)]
+    drawn = experiments.plot(tmp_path, rows, recorded)
+    try:
+        for figure in drawn.values():
+            figure.canvas.draw()  # the ticks' labels are set when drawn
+        assert sorted(drawn) == ["accuracy.png", "efficiency.png", "speedup.png", "throughput.png"]
+        first, second = drawn["accuracy.png"].axes
+        assert [(axis.get_title(), axis.get_xlabel(), axis.get_ylabel()) for axis in (first, second)] == [
+            ("2+2", "epoch", "validation accuracy"), ("my_cnn", "epoch", "validation accuracy")]
+        assert [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in first.get_lines()] == [
+            ("mirrored x2", [1, 2], [0.2, 0.6]), ("single x1", [1, 2], [0.1, 0.5])]
+        assert [text.get_text() for text in first.get_legend().get_texts()] == ["mirrored x2", "single x1"]
+        assert all(tick == int(tick) for tick in first.get_xticks())  # epochs are whole
+        for name, label, heights in (("throughput.png", "images/s", [[100, 200], [300]]),
+                                     ("speedup.png", "speedup vs single", [[1, 2], [3]]),
+                                     ("efficiency.png", "efficiency (speedup / N)", [[1, 0.75], [0.5]])):
+            axes = drawn[name].axes
+            assert [(axis.get_title(), axis.get_ylabel()) for axis in axes] == [("2+2", label), ("my_cnn", label)]
+            assert [[bar.get_height() for bar in axis.patches] for axis in axes] == heights
+            assert [[tick.get_text() for tick in axis.get_xticklabels()] for axis in axes] == [
+                ["single\nx1", "mirrored\nx2"], ["single\nx1"]]
+            floors = [list(line.get_ydata()) for axis in axes for line in axis.get_lines()]
+            assert floors == ([[0.8, 0.8]] * 2 if name == "efficiency.png" else [])  # the 80% floor, dashed red
+    finally:
+        experiments._close(drawn.values())
+
+
+def test_a_report_holds_each_configurations_latest_run_rounded_flagged_and_where_its_figures_come_from(tmp_path):
+    """One model's Single at 10.6 images/s; Mirrored run twice; a run at exactly 80% efficiency is not flagged; a
+    run without a time split, and one with only its compute share, are; two versions produced the rows."""
+    same = {"global_batch": "64", "epochs": "1", "precision": "float32", "data": "d", "tensorflow": "2.21.0",
+            "machine": "m"}
+    recorded = [(("2+2", "single", "1"), {"images_per_second": "10.6", "val_accuracy": "0.91234", "version": "0.1.0"}),
+                (("2+2", "mirrored", "2"), {"images_per_second": "100"}),
+                (("2+2", "mirrored", "2"), {"images_per_second": "15.9", "val_accuracy": "0.8"}),
+                (("2+2", "channels", "2"), {"images_per_second": "16.96"}),
+                (("2+2", "hybrid", "4"), {"images_per_second": "21.2", "compute_share": "0.6", "version": "0.1.0"}),
+                (("3+3", "single", "1"), {"tensorflow": "", "machine": ""})]
+    epoch_lines = {"single": ["epoch,grad_parity_verdict,grad_parity_max_abs_diff", "1,pass,1.5e-07"],
+                   "mirrored": ["epoch,val_accuracy", "1,0.8"]}
+    rows = []
+    for (model, strategy, devices), values in recorded:
+        epoch_csv = f"{model}-{strategy}.csv"
+        write_lines(tmp_path / epoch_csv, epoch_lines.get(strategy, []))
+        rows.append({**same, "model": model, "strategy": strategy, "devices": devices, "epoch_csv": epoch_csv,
+                     **values})
+    (tmp_path / "runs.csv").write_text(runs.csv_text(runs.RUNS_COLUMNS, rows))
+    figures_open = experiments.figures.pyplot().get_fignums()
+    summary, markdown = experiments.write_report(tmp_path)
+    assert summary == experiments.summarize(tmp_path)
+    shares = ",,,,,"  # the four shares and the flag, empty
+    assert (tmp_path / "summary.csv").read_text().splitlines() == [
+        ",".join(experiments.SUMMARY_COLUMNS),
+        f"2+2,single,1,11,1,1,0.912,pass,1.5e-07{shares}",
+        f"2+2,channels,2,17,1.6,0.8,,n/a,{shares}",
+        "2+2,hybrid,4,21,2,0.5,,n/a,,0.6,,,,\"efficiency 50% < 80%: compute takes 60% of the devices' time: the "
+        "devices share the same cores or memory, so splitting the work adds no compute\"",
+        "2+2,mirrored,2,16,1.5,0.75,0.8,n/a,,,,,,efficiency 75% < 80%: no time split measured (cnnpar train "
+        "--checks measures it)",
+        f"3+3,single,1,,1,1,,pass,1.5e-07{shares}"]
+    table = experiments.markdown_table(summary).splitlines()
+    assert table[:3] == ["| " + " | ".join(experiments.SUMMARY_COLUMNS) + " |",
+                         "|" + "---|" * len(experiments.SUMMARY_COLUMNS),
+                         "| 2+2 | single | 1 | 11 | 1 | 1 | 0.912 | pass | 1.5e-07 |  |  |  |  |  |"]
+    assert markdown == "\n".join(table) + "\n\n" + (
+        "Warning: this table mixes machines or versions; compare only rows produced alike.\n"
+        "Produced by: version 0.1.0, TensorFlow 2.21.0, machine m (2 runs)\n"
+        "Produced by: version unknown, TensorFlow 2.21.0, machine m (2 runs)\n"
+        "Produced by: version unknown, TensorFlow unknown, machine unknown (1 runs)")
+    assert (tmp_path / "summary.md").read_text() == "# Sweep summary\n\n" + markdown + "\n"
+    png = (tmp_path / "accuracy.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[16:24] == (1200).to_bytes(4, "big") + (400).to_bytes(4, "big")
+    assert experiments.figures.pyplot().get_fignums() == figures_open  # every figure closed
+
+
+def test_a_run_without_a_throughput_has_no_speedup_beside_a_baseline_and_two_producers_are_warned_of(tmp_path):
+    same = {"model": "m", "devices": "2", "global_batch": "64", "precision": "float32", "data": "d", "machine": "x"}
+    recorded = [{**same, "strategy": "single", "devices": "1", "images_per_second": "100", "version": "0.1.0"},
+                {**same, "strategy": "mirrored", "images_per_second": "", "version": "0.2.0"}]
+    for row in recorded:
+        row["epoch_csv"] = f"{row['strategy']}.csv"
+        write_lines(tmp_path / row["epoch_csv"], [])
+    (tmp_path / "runs.csv").write_text(runs.csv_text(runs.RUNS_COLUMNS, recorded))
+    mirrored = experiments.summarize(tmp_path)[1]
+    assert [mirrored[key] for key in ("images_per_second", "speedup", "efficiency")] == [pytest.approx(float("nan"),
+                                                                                         nan_ok=True)] * 3
+    assert experiments.provenance_text(recorded).splitlines()[0] == (
+        "Warning: this table mixes machines or versions; compare only rows produced alike.")
+
+
+def test_a_report_of_a_runs_csv_that_cannot_be_read_names_it_and_writes_nothing(tmp_path):
+    (tmp_path / "runs.csv").mkdir()  # a folder in its place
+    with pytest.raises(runs.ResultsFileError) as raised:
+        experiments.write_report(tmp_path)
+    assert str(raised.value) == (f"{tmp_path / 'runs.csv'}: cannot read it: Is a directory; nothing was written. "
+                                 f"Received: --results {tmp_path}")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["runs.csv"]
 
 
 def test_report_flags_a_failed_parity_check(tmp_path):
