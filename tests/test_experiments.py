@@ -176,10 +176,12 @@ def test_a_configuration_trains_in_a_process_given_its_options_and_returns_its_c
 
 
 def test_a_configuration_past_its_timeout_returns_minus_one_and_its_process_group_ends_with_it(tmp_path, monkeypatch):
-    """The training process starts a child that writes its pid, and both would sleep 20 s."""
+    """The training process starts a child and writes its pid; both would wait until a signal ends them."""
     pid_file = tmp_path / "child.pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(20)"
-    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(20)"
+    script = (f"import signal, subprocess, sys\n"
+              f"child = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+              f"signal.pause()")
     monkeypatch.setattr(experiments, "python_command", lambda *args: [sys.executable, "-c", script])
     started = time.monotonic()
     code, tail = experiments.run_config(experiments.Config("2+2", "single", 1), epochs=1, batch_size=64,
